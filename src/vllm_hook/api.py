@@ -1,0 +1,33 @@
+"""Offline API on a `vllm.LLM`: named vectors and engine statistics."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .frontend import vectors as _vectors
+from .frontend.delivery import RPC, merge_ranks
+from .frontend.state import state_of
+
+
+def _state(llm: Any):
+    return state_of(llm.llm_engine.input_processor)
+
+
+def register_vectors(llm: Any, vectors: Mapping[str, Any]) -> list[str]:
+    """Store named steering vectors on the engine; specs may then name them. Returns all names."""
+    return _vectors.register(_state(llm), vectors, llm.collective_rpc)
+
+
+def delete_vectors(llm: Any, names: list[str]) -> list[str]:
+    return _vectors.delete(_state(llm), names, llm.collective_rpc)
+
+
+def stats(llm: Any) -> dict:
+    """Worker-side counters of rank 0 (admitted requests, retained bytes, table use, ...)."""
+    replies = llm.collective_rpc(RPC, args=("stats",))
+    if replies and isinstance(replies[0], dict) and "error" in replies[0] and len(replies[0]) == 1:
+        raise RuntimeError(replies[0]["error"])
+    return replies[0]
+
+
+__all__ = ["register_vectors", "delete_vectors", "stats", "merge_ranks"]

@@ -1,0 +1,88 @@
+"""The one engine-level configuration object of vllm-hook.
+
+Engine-wide settings travel in vLLM's ``additional_config["vllm_hook"]`` (a dict), so every
+vLLM process sees the same values and vLLM hashes them into its compile-cache key: a graph
+compiled without the plugin, or with other settings, is never reused. Per-request settings
+live in the request spec (``spec.py``), never here. The only environment variable is the
+kill switch ``VLLM_HOOK_DISABLE=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import __version__
+
+CONFIG_KEY = "vllm_hook"
+SITES = ("resid_post", "resid_pre", "attn_out", "mlp_out")
+Site = Literal["resid_post", "resid_pre", "attn_out", "mlp_out"]
+
+
+def disabled() -> bool:
+    """True when ``VLLM_HOOK_DISABLE`` is set to a true value: the plugin is then a no-op."""
+    return os.environ.get("VLLM_HOOK_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class HookConfig(BaseModel):
+    """Engine-level settings (``LLM(..., additional_config={"vllm_hook": {...}})``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sites: tuple[Site, ...] = Field(
+        default=SITES,
+        description="Capture sites instrumented in the model. Dropping attn_out/mlp_out saves "
+        "their (small) per-layer work; requests for an uninstrumented site are refused.",
+    )
+    max_ops_per_layer: int = Field(
+        default=2, ge=1, le=8,
+        description="Steering ops one request may apply at one layer (each is one fused step).",
+    )
+    max_vectors: int = Field(
+        default=256, ge=1,
+        description="Distinct steering vectors resident on the device at once.",
+    )
+    capture_pool_rows: int | None = Field(
+        default=None, ge=1,
+        description="Rows of the per-step device capture buffer (one row = one token at one "
+        "site and layer). Default: 2 x max_num_batched_tokens.",
+    )
+    max_inline_result_bytes: int = Field(
+        default=8 << 20, ge=0,
+        description="Served mode: results up to this size travel inline in the response.",
+    )
+    result_ttl_s: float = Field(
+        default=600.0, gt=0,
+        description="Served mode: retained results not fetched within this time are dropped.",
+    )
+    max_retained_bytes: int = Field(
+        default=4 << 30, ge=0,
+        description="Served mode: upper bound on retained results; the oldest are dropped first.",
+    )
+    max_request_bytes: int = Field(
+        default=64 << 20, ge=1024,
+        description="Served mode: larger request bodies on plugin routes are refused (HTTP 413).",
+    )
+    allow_client_code: bool = Field(
+        default=False,
+        description="Served mode: allow client-supplied Python hooks. Off: never executed.",
+    )
+    version: str = __version__
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> "HookConfig":
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        return cls.from_additional_config(extra)
+
+    @classmethod
+    def from_additional_config(cls, extra: dict | None) -> "HookConfig":
+        raw = (extra or {}).get(CONFIG_KEY) or {}
+        if isinstance(raw, HookConfig):
+            return raw
+        return cls(**{k: v for k, v in dict(raw).items() if k != "version"})
+
+    def stamp(self) -> dict:
+        """Plain dict for ``additional_config`` (hashed by vLLM into its compile-cache key)."""
+        return self.model_dump(mode="json")

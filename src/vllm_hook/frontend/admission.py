@@ -1,0 +1,40 @@
+"""Frontend admission: validate each request's spec before it is queued, then rewrite it into
+the wire form workers read, salt the prefix cache by the steering, and keep a record for
+result delivery. Errors raise `SpecError` (a ValueError): `LLM.generate` raises it, the
+OpenAI server answers HTTP 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..spec.resolve import resolve
+from ..spec.schema import SPEC_KEY, parse_spec
+from .state import state_of
+
+
+def admit(input_processor: Any, request_id: str, request: Any) -> None:
+    """Resolve the spec carried by `request` (an EngineCoreRequest) in place."""
+    sp = getattr(request, "sampling_params", None)
+    extra = getattr(sp, "extra_args", None)
+    if not extra or SPEC_KEY not in extra:
+        return
+    spec = parse_spec(extra[SPEC_KEY])
+    rest = {k: v for k, v in extra.items() if k != SPEC_KEY}
+    if spec.is_empty:
+        sp.extra_args = rest or None
+        return
+    st = state_of(input_processor)
+    ids = request.prompt_token_ids
+    prompt_len = len(ids) if ids is not None else int(request.prompt_embeds.shape[0])
+    res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len)
+    sp.extra_args = {**rest, SPEC_KEY: res.wire}
+    if res.steer_digest:
+        # A steered request must never reuse KV computed under other steering (or none).
+        salt = f"vllm_hook:{res.steer_digest}"
+        request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt
+    if res.reads_cached_prefix:
+        # Cached prefix tokens are not recomputed, so their activations would not exist.
+        sp.skip_reading_prefix_cache = True
+    st.add_pending(request_id, res)
+

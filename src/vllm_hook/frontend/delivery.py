@@ -1,0 +1,67 @@
+"""Fetch finished requests' captures from the workers and attach `Results` to the outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..results import ATTR, Results, build
+from .state import FrontendState
+
+RPC = "vllm_hook_call"
+
+
+def merge_ranks(replies: Sequence[Any]) -> dict[str, list[dict]]:
+    """collective_rpc returns one reply per worker; only TP rank 0 collects captures."""
+    merged: dict[str, list[dict]] = {}
+    for reply in replies:
+        if isinstance(reply, dict) and "error" in reply and len(reply) == 1:
+            raise RuntimeError(reply["error"])
+        for key, entries in (reply or {}).items():
+            merged.setdefault(key, []).extend(entries)
+    return merged
+
+
+def child_index(req_id: str, n: int) -> int:
+    """vLLM names the children of an n > 1 request `{index}_{parent id}`."""
+    if n <= 1:
+        return 0
+    head = req_id.split("_", 1)[0]
+    return int(head) if head.isdigit() else 0
+
+
+def results_for(st: FrontendState, output: Any, entries: list[dict], res) -> Results | list[Results]:
+    outs = list(getattr(output, "outputs", []) or [])
+    n = max(len(outs), 1)
+    by_index = {child_index(e["req_id"], n): e["blob"] for e in entries}
+    built = []
+    for i, comp in enumerate(outs or [None]):
+        idx = getattr(comp, "index", i) if comp is not None else 0
+        blob = by_index.get(idx)
+        errs = [] if blob is not None or not res.items else [
+            "no captures arrived from the workers for this request"]
+        r = build(blob, res.items, st.points, request_id=str(output.request_id),
+                  prompt_token_ids=list(output.prompt_token_ids or []),
+                  output_token_ids=list(comp.token_ids) if comp is not None else [],
+                  index=idx, model=st.info.name, extra_errors=errs)
+        if res.save_dir:
+            suffix = f"_{idx}" if n > 1 else ""
+            r.save(Path(res.save_dir) / f"{output.request_id}{suffix}.safetensors")
+        built.append(r)
+    return built[0] if n == 1 else built
+
+
+def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) -> None:
+    """Fetch, in one RPC, the results of every finished output that had a spec; attach them."""
+    todo = []
+    for out in outputs:
+        if getattr(out, "finished", True):
+            res = st.pop_pending(str(out.request_id))
+            if res is not None:
+                todo.append((out, res))
+    if not todo:
+        return
+    keys = [res.key for _, res in todo if res.items]
+    fetched = merge_ranks(rpc(RPC, args=("fetch", keys))) if keys else {}
+    for out, res in todo:
+        setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res))

@@ -1,0 +1,143 @@
+"""Put the hook math into a loaded vLLM model, before vLLM compiles it.
+
+Each decoder layer (and, per the config, its attention and MLP submodules) gets a subclass of
+its own class whose forward runs the original and then the hook math. The per-layer buffer
+views are registered as (non-persistent) buffers, so Dynamo lifts them as graph inputs: every
+layer's traced graph is identical and Inductor compiles it once (a Python int layer index in
+the graph would make each layer a distinct graph and multiply compile time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import HookConfig
+from ..spec.resolve import ModelInfo
+from .buffers import BufferShape, HookBuffers
+from .layout import PointTable
+from .steering import capture_rows, steer_delta
+
+_ATTN_NAMES = ("self_attn", "attn", "attention")
+_MLP_NAMES = ("mlp", "feed_forward", "ffn")
+_SHARED = ("op_prm", "op_vid", "vec", "unit", "pool")
+
+
+class InstrumentError(RuntimeError):
+    pass
+
+
+def _buf(module: nn.Module, name: str, t: torch.Tensor) -> None:
+    module.register_buffer(f"_vh_{name}", t, persistent=False)
+
+
+class _LayerHook:
+    """Mixin placed before the decoder layer's class: steer, then capture resid_post."""
+
+    _vh_num_ops: int = 0
+    _vh_embed: bool = False
+
+    def forward(self, *args: Any, **kwargs: Any):
+        if self._vh_embed:
+            hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+            res = kwargs["residual"] if "residual" in kwargs else (args[2] if len(args) > 2 else None)
+            x = hs if res is None else hs.float() + res.float()
+            capture_rows(x, self._vh_embed_idx, self._vh_pool)
+        out = super().forward(*args, **kwargs)
+        if isinstance(out, tuple) and len(out) == 2 and out[1] is not None:
+            hs, res = out
+            stream = hs.float() + res.float()
+            delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_op_vid,
+                                self._vh_vec, self._vh_unit, self._vh_num_ops)
+            res = (res.float() + delta).to(res.dtype)
+            # What the next layer reads: its fused add computes hs + res in fp32.
+            capture_rows(hs.float() + res.float(), self._vh_cap_idx, self._vh_pool)
+            return hs, res
+        hs = out[0] if isinstance(out, tuple) else out
+        stream = hs.float()
+        delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_op_vid,
+                            self._vh_vec, self._vh_unit, self._vh_num_ops)
+        hs = (stream + delta).to(hs.dtype)
+        capture_rows(hs, self._vh_cap_idx, self._vh_pool)
+        return (hs, *out[1:]) if isinstance(out, tuple) else hs
+
+
+class _OutputCapture:
+    """Mixin for a sublayer (attention, MLP): capture its output, change nothing."""
+
+    def forward(self, *args: Any, **kwargs: Any):
+        out = super().forward(*args, **kwargs)
+        x = out[0] if isinstance(out, tuple) else out
+        capture_rows(x, self._vh_cap_idx, self._vh_pool)
+        return out
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    key = (mixin, cls)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"Hooked{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+    module.__class__ = _CLASSES[key]
+
+
+def find_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers: `model.model.layers` for the supported families."""
+    inner = getattr(model, "model", None)
+    for cand in (getattr(inner, "layers", None), getattr(model, "layers", None),
+                 getattr(getattr(inner, "decoder", None), "layers", None)):
+        if isinstance(cand, nn.ModuleList) and len(cand) > 0:
+            return cand
+    raise InstrumentError(
+        f"vllm-hook cannot find the decoder layers of {type(model).__name__}; supported: "
+        "models with model.layers (Llama, Mistral, Qwen2/3, Gemma/2/3, Phi-3 families)")
+
+
+def _child(layer: nn.Module, names: tuple[str, ...], site: str) -> nn.Module:
+    for n in names:
+        m = getattr(layer, n, None)
+        if isinstance(m, nn.Module):
+            return m
+    raise InstrumentError(
+        f"vllm-hook cannot find the {site} submodule of {type(layer).__name__}; start the engine "
+        f"with additional_config vllm_hook.sites without {site!r}")
+
+
+def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_batched_tokens: int,
+               max_num_seqs: int, dtype: torch.dtype) -> tuple[HookBuffers, PointTable]:
+    layers = find_layers(model)
+    for layer in layers:
+        if type(layer).__name__ == "PPMissingLayer":
+            raise InstrumentError("vllm-hook does not support pipeline parallelism; use "
+                                  "tensor parallelism (pipeline_parallel_size=1)")
+    if len(layers) != info.num_layers:
+        raise InstrumentError(f"found {len(layers)} decoder layers, config says {info.num_layers}")
+    device = next(model.parameters()).device
+    points = PointTable(info.num_layers, tuple(cfg.sites))
+    shape = BufferShape.for_engine(num_layers=info.num_layers, hidden=info.hidden_size,
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   max_num_seqs=max_num_seqs, cfg=cfg, points=points)
+    bufs = HookBuffers(shape, dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        _swap_class(layer, _LayerHook)
+        layer._vh_num_ops = shape.ops_per_layer
+        for name in _SHARED:
+            _buf(layer, name, getattr(bufs, name))
+        _buf(layer, "op_idx", bufs.op_cols(i))
+        _buf(layer, "cap_idx", bufs.cap_col(points.col("resid_post", i)))
+        if i == 0 and "resid_pre" in cfg.sites:
+            layer._vh_embed = True
+            _buf(layer, "embed_idx", bufs.cap_col(points.col("resid_pre", 0)))
+        for site, names in (("attn_out", _ATTN_NAMES), ("mlp_out", _MLP_NAMES)):
+            if site in cfg.sites:
+                sub = _child(layer, names, site)
+                _swap_class(sub, _OutputCapture)
+                _buf(sub, "pool", bufs.pool)
+                _buf(sub, "cap_idx", bufs.cap_col(points.col(site, i)))
+    return bufs, points

@@ -1,0 +1,207 @@
+"""Check a parsed spec against the model, the engine config and the prompt; emit the wire form.
+
+The wire form is what workers receive inside `SamplingParams.extra_args`: plain msgpack-able
+values only (ints, floats, str, bytes, lists, dicts), layers non-negative, positions absolute,
+vectors as float32 bytes or registered names, each steering op reduced to five coefficients
+of one formula (see `model/steering.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..config import HookConfig
+from .errors import SpecError, UnknownVectorError
+from .schema import AblateOp, AddOp, CapOp, HookSpec, Selector
+from .vectors import check_vector, decode_vector, vector_digest
+
+WIRE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    num_layers: int
+    hidden_size: int
+    name: str = ""
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+    @classmethod
+    def from_model_config(cls, model_config: Any) -> "ModelInfo":
+        hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+        heads = int(getattr(hf, "num_attention_heads", 0) or 0)
+        hidden = int(hf.hidden_size)
+        return cls(
+            num_layers=int(hf.num_hidden_layers),
+            hidden_size=hidden,
+            name=str(getattr(model_config, "model", "")),
+            num_heads=heads,
+            num_kv_heads=int(getattr(hf, "num_key_value_heads", heads) or heads),
+            head_dim=int(getattr(hf, "head_dim", 0) or (hidden // heads if heads else 0)),
+        )
+
+
+@dataclass
+class Resolved:
+    """A request's spec after resolution: the wire dict plus what only the frontend needs."""
+
+    wire: dict
+    key: str
+    prompt_len: int
+    save_dir: str | None
+    steer_digest: str | None
+    reads_cached_prefix: bool
+    items: list[dict] = field(default_factory=list)
+
+
+def _selector(sel: Selector, prompt_len: int, where: str) -> tuple[str, list[int]]:
+    if isinstance(sel, str):
+        return sel, []
+    out = []
+    for i, p in enumerate(sel):
+        a = p + prompt_len if p < 0 else p
+        if a < 0:
+            raise SpecError(f"{where}[{i}]", f"position {p} is before the start of the "
+                            f"{prompt_len}-token prompt",
+                            f"use a position in [-{prompt_len}, max_model_len)")
+        out.append(a)
+    if not out:
+        raise SpecError(where, "empty position list", 'list at least one position or use "all"')
+    return "pos", sorted(set(out))
+
+
+def _layer(layer: int, n: int, where: str) -> int:
+    if not -n <= layer < n:
+        raise SpecError(where, f"layer {layer} is out of range for a {n}-layer model",
+                        f"use 0..{n - 1}, or -1..-{n} to count from the last layer")
+    return layer % n
+
+
+def resolve(
+    spec: HookSpec,
+    model: ModelInfo,
+    config: HookConfig,
+    prompt_len: int,
+    known_vectors: Callable[[str], str | None],
+    max_model_len: int | None = None,
+) -> Resolved:
+    """Validate `spec` for this model and prompt. `known_vectors(name)` returns the digest of a
+    registered vector or None."""
+    n, hidden = model.num_layers, model.hidden_size
+    wire_cap, items = [], []
+    for i, item in enumerate(spec.capture):
+        where = f"capture[{i}]"
+        if item.site not in config.sites:
+            raise SpecError(f"{where}.site", f"site {item.site!r} is not instrumented in this engine",
+                            f"start the engine with additional_config vllm_hook.sites including {item.site!r}")
+        layers = list(range(n)) if item.layers == "all" else item.layers
+        if not layers:
+            raise SpecError(f"{where}.layers", "empty layer list", 'list at least one layer or use "all"')
+        sel, pos = _selector(item.tokens, prompt_len, f"{where}.tokens")
+        if max_model_len and pos and pos[-1] >= max_model_len:
+            raise SpecError(f"{where}.tokens", f"position {pos[-1]} is beyond max_model_len={max_model_len}",
+                            "use positions inside the sequence")
+        for j, layer in enumerate(layers):
+            L = _layer(layer, n, f"{where}.layers[{j}]" if item.layers != "all" else f"{where}.layers")
+            wire_cap.append({"site": item.site, "layer": L, "sel": sel, "pos": pos})
+            items.append({"site": item.site, "layer": L, "sel": sel, "pos": pos})
+    dedup = {json.dumps(c, sort_keys=True): c for c in wire_cap}
+    wire_cap = list(dedup.values())
+
+    wire_steer, per_layer, digests = [], {}, []
+    for i, op in enumerate(spec.steer):
+        where = f"steer[{i}]"
+        L = _layer(op.layer, n, f"{where}.layer")
+        per_layer[L] = per_layer.get(L, 0) + 1
+        if per_layer[L] > config.max_ops_per_layer:
+            raise SpecError(f"{where}.layer", f"more than {config.max_ops_per_layer} steering ops at layer {L}",
+                            "merge ops, or raise additional_config vllm_hook.max_ops_per_layer")
+        sel, pos = _selector(op.tokens, prompt_len, f"{where}.tokens")
+        inf = math.inf
+        if isinstance(op, AddOp):
+            coef = [0.0, op.scale, 0.0, -inf, inf] if op.norm_match else [op.scale, 0.0, 0.0, -inf, inf]
+            need_norm = op.norm_match
+        elif isinstance(op, CapOp):
+            lo = -inf if op.min is None else op.min
+            hi = inf if op.max is None else op.max
+            if op.min is None and op.max is None:
+                raise SpecError(where, "cap needs min, max or both", 'add "min" and/or "max"')
+            if lo > hi:
+                raise SpecError(where, f"min {lo} is greater than max {hi}", "swap or fix the bounds")
+            coef = [0.0, 0.0, 0.0, lo, hi]
+            need_norm = True
+        else:
+            assert isinstance(op, AblateOp)
+            coef = [0.0, 0.0, op.scale - 1.0, -inf, inf]
+            need_norm = True
+        for c in coef[:3]:
+            if not math.isfinite(c):
+                raise SpecError(where, "scale is NaN or infinite", "pass a finite scale")
+        if any(math.isnan(c) for c in coef[3:]):
+            raise SpecError(where, "min/max is NaN", "pass finite bounds")
+        vec = decode_vector(op.vector, f"{where}.vector")
+        entry = {"layer": L, "sel": sel, "pos": pos, "c": coef}
+        if isinstance(vec, str):
+            digest = known_vectors(vec)
+            if digest is None:
+                raise UnknownVectorError(f"{where}.vector", f"no registered vector named {vec!r}",
+                                         "register it first (vllm_hook.register_vectors or "
+                                         "POST /v1/hook/vectors) or pass the values inline")
+            entry["name"] = vec
+        else:
+            arr = check_vector(vec, hidden, f"{where}.vector", need_norm)
+            digest = vector_digest(arr)
+            entry["vec"] = arr.tobytes()
+        entry["digest"] = digest
+        digests.append([L, sel, pos, coef, digest])
+        wire_steer.append(entry)
+
+    steer_digest = None
+    if wire_steer:
+        blob = json.dumps(digests, sort_keys=True, default=str).encode()
+        steer_digest = hashlib.sha256(blob).hexdigest()[:24]
+
+    # Cached prefix tokens are never recomputed, so their activations would not exist.
+    # vLLM always recomputes the last prompt token, so only earlier positions force a recompute.
+    reads_cached_prefix = any(_needs_early_prompt(c, prompt_len) for c in wire_cap)
+
+    key = uuid.uuid4().hex
+    wire = {"v": WIRE_VERSION, "key": key, "P": prompt_len, "cap": wire_cap, "steer": wire_steer}
+    return Resolved(wire=wire, key=key, prompt_len=prompt_len,
+                    save_dir=spec.save.dir if spec.save else None, steer_digest=steer_digest,
+                    reads_cached_prefix=reads_cached_prefix, items=items)
+
+
+def _needs_early_prompt(cap: dict, prompt_len: int) -> bool:
+    sel = cap["sel"]
+    if sel in ("all", "prompt"):
+        return prompt_len > 1
+    if sel == "pos":
+        return any(p < prompt_len - 1 for p in cap["pos"])
+    return False
+
+
+def selected_mask(sel: str, pos_list, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+    """Which of `positions` a selector picks (shared by routing and result assembly)."""
+    if sel == "all":
+        return np.ones(positions.shape, dtype=bool)
+    if sel == "prompt":
+        return positions < prompt_len
+    if sel == "generated":
+        return positions >= prompt_len
+    if sel == "last_prompt":
+        return positions == prompt_len - 1
+    if sel == "last":
+        # The positions whose output is sampled: the last prompt token and every generated one.
+        return positions >= prompt_len - 1
+    if sel == "pos":
+        return np.isin(positions, np.asarray(pos_list, dtype=positions.dtype))
+    raise ValueError(f"unknown selector {sel!r}")

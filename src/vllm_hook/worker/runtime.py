@@ -1,0 +1,312 @@
+"""The per-worker runtime: admits requests, writes each step's routing, collects captures.
+
+It sees vLLM only through `adapters.base` views. Every entry point is guarded: a failure in
+the plugin fails the affected requests (their results carry the error), never the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..adapters.base import SchedulerEvents, StepView
+from ..config import HookConfig
+from ..delivery.collector import Collector
+from ..delivery.store import RequestStore
+from ..model.buffers import HookBuffers
+from ..model.layout import TRASH_ROWS, PointTable
+from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, route_step
+from .tables import DeviceTables, TableFull
+
+log = logging.getLogger("vllm_hook")
+
+
+@dataclass(eq=False)
+class HookRequest:
+    req_id: str
+    key: str
+    prompt_len: int
+    routes: RequestRoutes
+    horizon: float
+    op_rows: list[int] = field(default_factory=list)
+    vec_rows: list[int] = field(default_factory=list)
+    store: RequestStore = field(default_factory=RequestStore)
+    errors: list[str] = field(default_factory=list)
+    finished_at: float | None = None
+    fetched: bool = False
+
+
+class _Staging:
+    """Host-side routing arrays. On a GPU: two pinned sets, used in turn, each guarded by the
+    event of its last copy (the CPU prepares step N+1 while the GPU runs step N)."""
+
+    def __init__(self, bufs: HookBuffers):
+        self.bufs = bufs
+        self.on_device = bufs.device.type != "cpu"
+        if self.on_device:
+            self._sets = [(torch.zeros_like(bufs.op_idx, device="cpu").pin_memory(),
+                           torch.zeros_like(bufs.cap_idx, device="cpu").pin_memory(), None)
+                          for _ in range(2)]
+            self._turn = 0
+
+    def begin(self) -> tuple[np.ndarray, np.ndarray]:
+        if not self.on_device:
+            return self.bufs.op_idx.numpy(), self.bufs.cap_idx.numpy()
+        op, cap, event = self._sets[self._turn]
+        if event is not None:
+            event.synchronize()
+        return op.numpy(), cap.numpy()
+
+    def commit(self, op_rows: int, cap_rows: int) -> None:
+        if not self.on_device:
+            return
+        op, cap, _ = self._sets[self._turn]
+        if op_rows:
+            self.bufs.op_idx[:op_rows].copy_(op[:op_rows], non_blocking=True)
+        if cap_rows:
+            self.bufs.cap_idx[:cap_rows].copy_(cap[:cap_rows], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._sets[self._turn] = (op, cap, event)
+        self._turn ^= 1
+
+
+class HookRuntime:
+    def __init__(self, bufs: HookBuffers, points: PointTable, cfg: HookConfig, collect: bool):
+        self.bufs, self.points, self.cfg = bufs, points, cfg
+        self.collect = collect            # False on TP ranks other than 0: steer, do not copy
+        self.tables = DeviceTables(bufs)
+        self.staging = _Staging(bufs)
+        self.collector = Collector(bufs.pool, self._deliver)
+        self.requests: dict[str, HookRequest] = {}     # admitted, not yet finished
+        self.active: dict[str, HookRequest] = {}       # may still be routed
+        self.done: dict[str, HookRequest] = {}         # finished, results waiting for a fetch
+        self.named: dict[str, np.ndarray] = {}
+        self._steer_dirty = 0
+        self._step: StepRouting | None = None
+        self._trash = (bufs.shape.pool_rows + np.arange(bufs.shape.max_tokens) % TRASH_ROWS)
+        self.steps_routed = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def on_events(self, ev: SchedulerEvents) -> None:
+        if ev.empty:
+            return
+        try:
+            for rid in ev.finished:
+                self._finish(rid)
+            for nr in ev.new:
+                if nr.req_id in self.requests:
+                    self._reactivate(nr.req_id)
+                elif nr.wire is not None:
+                    self._admit(nr.req_id, nr.wire)
+            for rid in ev.resumed:
+                if rid in self.requests:
+                    self._reactivate(rid)
+            self._expire()
+        except Exception as e:  # never take the engine down
+            log.exception("vllm_hook: request bookkeeping failed")
+            for r in self.active.values():
+                r.errors.append(f"internal error in vllm_hook bookkeeping: {e!r}")
+
+    def _admit(self, req_id: str, wire: dict) -> None:
+        P = int(wire["P"])
+        req = HookRequest(req_id=req_id, key=wire["key"], prompt_len=P,
+                          routes=RequestRoutes(P), horizon=-1)
+        self.requests[req_id] = req
+        try:
+            steer = self._admit_steering(req, wire.get("steer", ()))
+        except (TableFull, KeyError) as e:
+            msg = str(e) if isinstance(e, TableFull) else f"vector {e} is not registered on the worker"
+            req.errors.append(f"steering not applied: {msg}")
+            log.error("vllm_hook: request %s: %s", req_id, req.errors[-1])
+            steer = ()
+        caps: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+        for c in wire.get("cap", ()):
+            caps.setdefault(self.points.col(c["site"], int(c["layer"])), []).append(
+                (c["sel"], tuple(c["pos"])))
+        capture = tuple(CaptureRoute(p, tuple(dict.fromkeys(s)), all(x[0] == "last" for x in s))
+                        for p, s in caps.items()) if self.collect else ()
+        req.routes = RequestRoutes(P, steer, capture)
+        req.horizon = req.routes.horizon
+        if req.routes.steer or req.routes.capture:
+            self.active[req_id] = req
+
+    def _admit_steering(self, req: HookRequest, ops) -> tuple[SteerRoute, ...]:
+        K = self.bufs.shape.ops_per_layer
+        params, vec_rows, cols, sels = [], [], [], []
+        slot: dict[int, int] = {}
+        try:
+            for op in ops:
+                if "vec" in op:
+                    values = np.frombuffer(op["vec"], dtype=np.float32)
+                else:
+                    values = self.named[op["name"]]
+                row = self.tables.acquire_vector(op["digest"], values)
+                req.vec_rows.append(row)
+                vec_rows.append(row)
+                L = int(op["layer"])
+                k = slot.get(L, 0)
+                slot[L] = k + 1
+                cols.append(L * K + k)
+                params.append([float(x) for x in op["c"]])
+                sels.append((op["sel"], tuple(op["pos"])))
+            req.op_rows = self.tables.acquire_ops(params, vec_rows)
+        except Exception:
+            self._release_tables(req)
+            raise
+        return tuple(SteerRoute(c, r, s, p) for c, r, (s, p) in zip(cols, req.op_rows, sels))
+
+    def _release_tables(self, req: HookRequest) -> None:
+        for row in req.vec_rows:
+            self.tables.release_vector(row)
+        req.vec_rows = []
+        if req.op_rows:
+            self.tables.release_ops(req.op_rows)
+        req.op_rows = []
+
+    def _reactivate(self, req_id: str) -> None:
+        req = self.requests[req_id]
+        if req.routes.steer or req.routes.capture:
+            self.active[req_id] = req
+
+    def _finish(self, req_id: str) -> None:
+        req = self.requests.pop(req_id, None)
+        self.active.pop(req_id, None)
+        if req is None:
+            return
+        self._release_tables(req)
+        req.finished_at = time.monotonic()
+        if not req.fetched and (req.routes.capture or req.errors):
+            self.done[req_id] = req
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        ttl = self.cfg.result_ttl_s
+        for rid in [r for r, q in self.done.items() if now - (q.finished_at or now) > ttl]:
+            del self.done[rid]
+
+    # ---- per step --------------------------------------------------------------------------
+    def wants_step(self) -> bool:
+        return bool(self.active) or self._steer_dirty > 0
+
+    def begin_step(self, view: StepView) -> None:
+        """Write this step's routing. Called after the runner prepared inputs, before forward."""
+        self._step = None
+        if not self.active and not self._steer_dirty:
+            return
+        try:
+            self._route(view)
+        except Exception as e:
+            log.exception("vllm_hook: routing failed; this step runs unhooked")
+            for r in self.active.values():
+                r.errors.append(f"internal error in vllm_hook routing: {e!r}")
+            self._reset_steering(view.num_tokens_padded)
+
+    def _route(self, view: StepView) -> None:
+        if self.collect:
+            self.collector.drain()
+        T_pad = view.num_tokens_padded
+        if T_pad > self.bufs.shape.max_tokens:
+            raise RuntimeError(f"step has {T_pad} rows, buffers hold {self.bufs.shape.max_tokens}")
+        entries, finished_routing = [], []
+        for req in self.active.values():
+            i = view.index.get(req.req_id)
+            if i is None:
+                continue
+            start = int(view.query_start_loc[i])
+            rows = Rows(start, int(view.query_start_loc[i + 1]) - start, int(view.num_computed[i]))
+            entries.append((req, req.routes, rows))
+            if rows.first_pos + rows.count - 1 >= req.horizon:
+                finished_routing.append(req.req_id)
+        has_steer = any(e[1].steer for e in entries)
+        has_cap = any(e[1].capture for e in entries)
+        op_h, cap_h = self.staging.begin()
+        op_n = max(T_pad, self._steer_dirty) if (has_steer or self._steer_dirty) else 0
+        if op_n:
+            op_h[:op_n] = 0
+        if has_cap:
+            cap_h[:T_pad] = self._trash[:T_pad, None]
+        # Without steering (capture) routes, route_step writes nothing into op_h (cap_h).
+        routing = route_step(entries, op_h[:T_pad], cap_h[:T_pad], self.bufs.shape.pool_rows)
+        self.staging.commit(op_n, T_pad if routing.segments else 0)
+        self._steer_dirty = routing.steered_upto
+        for req in routing.overflow:
+            req.errors.append(
+                f"capture incomplete: one step needed more than capture_pool_rows="
+                f"{self.bufs.shape.pool_rows} rows; raise additional_config "
+                "vllm_hook.capture_pool_rows or lower max_num_batched_tokens")
+        for rid in finished_routing:
+            self.active.pop(rid, None)
+        self._step = routing
+        self.steps_routed += 1
+
+    def _reset_steering(self, T_pad: int) -> None:
+        n = max(T_pad, self._steer_dirty)
+        if n:
+            self.bufs.op_idx[:n].zero_()
+        self._steer_dirty = 0
+
+    def end_step(self) -> None:
+        """After the forward was queued: queue the copy of its captured rows."""
+        step, self._step = self._step, None
+        if step is None or not self.collect:
+            return
+        try:
+            self.collector.after_forward(step)
+        except Exception as e:
+            log.exception("vllm_hook: capture copy failed")
+            for seg in step.segments:
+                seg.owner.errors.append(f"internal error copying captures: {e!r}")
+
+    def _deliver(self, seg: Segment, rows: torch.Tensor) -> None:
+        req: HookRequest = seg.owner
+        if not req.fetched:
+            req.store.add(seg.point, seg.positions, rows, seg.last_only)
+
+    # ---- RPC -------------------------------------------------------------------------------
+    def fetch(self, keys: list[str], drop: bool = True) -> dict[str, list[dict]]:
+        """Results of every request (n>1: every child) with one of `keys`, as safetensors bytes."""
+        if self.collect:
+            self.collector.drain(wait=True)
+        wanted = set(keys)
+        out: dict[str, list[dict]] = {k: [] for k in keys}
+        for pool in (self.done, self.requests):
+            for rid, req in list(pool.items()):
+                if req.key not in wanted or req.fetched:
+                    continue
+                meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors}
+                out[req.key].append({"req_id": rid, "blob": req.store.to_bytes(meta)})
+                if drop:
+                    req.fetched = True
+                    req.store = RequestStore()
+                    self.done.pop(rid, None)
+        return out
+
+    def register_vectors(self, vectors: dict[str, bytes]) -> list[str]:
+        for name, raw in vectors.items():
+            self.named[name] = np.frombuffer(raw, dtype=np.float32).copy()
+        return sorted(self.named)
+
+    def delete_vectors(self, names: list[str]) -> list[str]:
+        for n in names:
+            self.named.pop(n, None)
+        return sorted(self.named)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "admitted": len(self.requests),
+            "active": len(self.active),
+            "results_waiting": len(self.done),
+            "retained_bytes": sum(r.store.nbytes for r in list(self.done.values()) + list(self.requests.values())),
+            "vectors_in_use": self.tables.vectors_in_use,
+            "ops_in_use": self.tables.ops_in_use,
+            "named_vectors": len(self.named),
+            "copies_in_flight": self.collector.in_flight,
+            "device_buffer_bytes": self.bufs.nbytes(),
+            "steps_routed": self.steps_routed,
+        }

@@ -1,0 +1,76 @@
+"""Allocation of op and vector rows in the device tables, with reference counts.
+
+Rows are written once, when a request is admitted, and released when it finishes. Writes are
+stream-ordered after earlier forwards, so reusing a released row never changes a step that
+is already queued.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..model.buffers import HookBuffers
+
+
+class TableFull(RuntimeError):
+    pass
+
+
+class DeviceTables:
+    def __init__(self, bufs: HookBuffers):
+        self.bufs = bufs
+        s = bufs.shape
+        self._free_ops = list(range(s.max_ops, 0, -1))
+        self._free_vecs = list(range(s.max_vectors, 0, -1))
+        self._vec_rows: dict[str, int] = {}     # digest -> row
+        self._vec_refs: dict[int, int] = {}     # row -> references
+        self._vec_digest: dict[int, str] = {}
+
+    def acquire_vector(self, digest: str, values: np.ndarray) -> int:
+        row = self._vec_rows.get(digest)
+        if row is None:
+            if not self._free_vecs:
+                raise TableFull(
+                    f"more than {self.bufs.shape.max_vectors} distinct steering vectors are in use "
+                    "at once; raise additional_config vllm_hook.max_vectors")
+            row = self._free_vecs.pop()
+            v = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+            u = v / torch.linalg.vector_norm(v).clamp_min(1e-30)
+            self.bufs.vec[row].copy_(v)
+            self.bufs.unit[row].copy_(u)
+            self._vec_rows[digest] = row
+            self._vec_digest[row] = digest
+            self._vec_refs[row] = 0
+        self._vec_refs[row] += 1
+        return row
+
+    def release_vector(self, row: int) -> None:
+        self._vec_refs[row] -= 1
+        if self._vec_refs[row] == 0:
+            del self._vec_refs[row]
+            del self._vec_rows[self._vec_digest.pop(row)]
+            self._free_vecs.append(row)
+
+    def acquire_ops(self, params: list[list[float]], vec_rows: list[int]) -> list[int]:
+        n = len(params)
+        if n > len(self._free_ops):
+            raise TableFull("the steering op table is full; too many steered requests are "
+                            "preempted at once. Lower max_num_seqs or steer fewer layers")
+        rows = [self._free_ops.pop() for _ in range(n)]
+        if n:
+            idx = torch.tensor(rows, dtype=torch.int64, device=self.bufs.device)
+            self.bufs.op_prm.index_copy_(0, idx, torch.tensor(params, dtype=torch.float32).to(self.bufs.device))
+            self.bufs.op_vid.index_copy_(0, idx, torch.tensor(vec_rows, dtype=torch.int64).to(self.bufs.device))
+        return rows
+
+    def release_ops(self, rows: list[int]) -> None:
+        self._free_ops.extend(rows)
+
+    @property
+    def vectors_in_use(self) -> int:
+        return len(self._vec_rows)
+
+    @property
+    def ops_in_use(self) -> int:
+        return self.bufs.shape.max_ops - len(self._free_ops)

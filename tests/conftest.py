@@ -1,0 +1,69 @@
+"""Shared real vLLM engines for the tests (one alive at a time: a 2-core CI box)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+# In-process engine: starts in seconds (eager) and lets tests reach the scheduler.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+DEFAULTS = dict(
+    dtype="float32",
+    max_model_len=512,
+    max_num_seqs=16,
+    kv_cache_memory_bytes=64 << 20,
+    logprobs_mode="raw_logits",
+    seed=0,
+)
+
+
+class EnginePool:
+    """Keeps the most recently requested engine alive; starting another shuts it down."""
+
+    def __init__(self):
+        self.name = None
+        self.llm = None
+
+    def get(self, name: str, arch: str = "qwen2", **kwargs):
+        if self.name == name:
+            return self.llm
+        self.close()
+        from vllm import LLM
+
+        from vllm_hook.testing.tiny_models import tiny_model
+
+        self.llm = LLM(tiny_model(arch), **{**DEFAULTS, **kwargs})
+        self.name = name
+        return self.llm
+
+    def close(self):
+        if self.llm is None:
+            return
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        self.llm = None
+        self.name = None
+        gc.collect()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+
+
+_POOL = EnginePool()
+
+
+@pytest.fixture(scope="session")
+def engines():
+    yield _POOL
+    _POOL.close()
+
+
+def scheduler_of(llm):
+    """The in-process scheduler (tests only: to count preemptions)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler

@@ -1,0 +1,124 @@
+"""Hugging Face transformers reference, fp32, eager attention: activations and steered greedy
+generation computed the plain way (module hooks, full recompute every step)."""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+import torch
+
+
+@functools.lru_cache(maxsize=4)
+def load(path: str):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return m.eval()
+
+
+def layers(model):
+    return model.model.layers
+
+
+def _apply_ops(h: torch.Tensor, ops: list[dict], positions: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The documented steering formulas, on [T, H] rows in float64 for a clean reference."""
+    h = h.double()
+    for op in ops:
+        sel = op.get("tokens", "all")
+        m = _mask(sel, positions, prompt_len)
+        v = torch.as_tensor(op["vector"], dtype=torch.float64)
+        u = v / v.norm()
+        x = h[m]
+        if op["op"] == "add":
+            if op.get("norm_match"):
+                x = x + op.get("scale", 1.0) * x.norm(dim=-1, keepdim=True) * u
+            else:
+                x = x + op.get("scale", 1.0) * v
+        elif op["op"] == "cap":
+            p = x @ u
+            lo = op.get("min", -float("inf"))
+            hi = op.get("max", float("inf"))
+            x = x + (p.clamp(lo, hi) - p)[:, None] * u
+        elif op["op"] == "ablate":
+            p = x @ u
+            x = x + (op.get("scale", 0.0) - 1.0) * p[:, None] * u
+        h[m] = x
+    return h
+
+
+def _mask(sel, positions: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    if sel == "all":
+        return torch.ones_like(positions, dtype=torch.bool)
+    if sel == "prompt":
+        return positions < prompt_len
+    if sel == "generated":
+        return positions >= prompt_len
+    if sel == "last_prompt":
+        return positions == prompt_len - 1
+    if sel == "last":
+        return positions >= prompt_len - 1
+    abs_pos = [p + prompt_len if p < 0 else p for p in sel]
+    return torch.isin(positions, torch.tensor(abs_pos))
+
+
+@contextmanager
+def steering(model, ops: list[dict], prompt_len: int):
+    """Forward hooks applying `ops` to decoder-layer outputs (resid_post), in spec order."""
+    by_layer: dict[int, list[dict]] = {}
+    n = len(layers(model))
+    for op in ops:
+        by_layer.setdefault(op["layer"] % n, []).append(op)
+    handles = []
+    for L, lops in by_layer.items():
+        def hook(mod, args, out, lops=lops):
+            hs = out[0] if isinstance(out, tuple) else out
+            T = hs.shape[1]
+            pos = torch.arange(T)
+            new = _apply_ops(hs[0], lops, pos, prompt_len).to(hs.dtype)[None]
+            return (new, *out[1:]) if isinstance(out, tuple) else new
+        handles.append(layers(model)[L].register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def activations(model, ids: list[int], ops: list[dict] | None = None, prompt_len: int | None = None):
+    """{site: {layer: [T, H] fp32}} for resid_post/resid_pre/attn_out/mlp_out, plus logits."""
+    got: dict[str, dict[int, torch.Tensor]] = {"resid_post": {}, "resid_pre": {}, "attn_out": {}, "mlp_out": {}}
+    handles = []
+    for i, layer in enumerate(layers(model)):
+        handles.append(layer.register_forward_pre_hook(
+            lambda m, a, kw, i=i: got["resid_pre"].__setitem__(i, (kw.get("hidden_states", a[0] if a else None))[0].clone()),
+            with_kwargs=True))
+        handles.append(layer.self_attn.register_forward_hook(
+            lambda m, a, o, i=i: got["attn_out"].__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0].clone())))
+        handles.append(layer.mlp.register_forward_hook(
+            lambda m, a, o, i=i: got["mlp_out"].__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0].clone())))
+    P = prompt_len if prompt_len is not None else len(ids)
+    try:
+        with steering(model, ops or [], P):
+            # Registered after steering hooks, so these see the steered output.
+            for i, layer in enumerate(layers(model)):
+                handles.append(layer.register_forward_hook(
+                    lambda m, a, o, i=i: got["resid_post"].__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0].clone())))
+            out = model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return got, out.logits[0]
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], steps: int, ops: list[dict] | None = None):
+    """Greedy tokens with steering, recomputing the whole sequence each step; and last logits."""
+    ids = list(prompt)
+    logits = None
+    with steering(model, ops or [], len(prompt)):
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], logits
