@@ -16,9 +16,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as st_save
 
 from . import __version__
+from .delivery.store import _metadata as _st_metadata
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
 from .spec.errors import HookRuntimeError
@@ -48,8 +51,7 @@ class Results:
             raise HookRuntimeError(f"request {self.request_id}: " + "; ".join(self.errors))
         return self
 
-    def save(self, path: str | os.PathLike) -> str:
-        """One safetensors file: `{site}.{layer}`, `{site}.{layer}.positions`, `token_ids`."""
+    def _payload(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors = {"token_ids": torch.tensor(self.token_ids, dtype=torch.int64)}
         for site, per_layer in self.activations.items():
             for layer, t in per_layer.items():
@@ -64,10 +66,25 @@ class Results:
             "sites": json.dumps({s: sorted(v) for s, v in self.activations.items()}),
             "errors": json.dumps(self.errors),
         }
+        return tensors, meta
+
+    def save(self, path: str | os.PathLike) -> str:
+        """One safetensors file: `{site}.{layer}`, `{site}.{layer}.positions`, `token_ids`."""
+        tensors, meta = self._payload()
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata=meta)
         self.path = str(path)
         return self.path
+
+    def to_bytes(self) -> bytes:
+        """The bytes of the file `save` writes (what served mode sends to clients)."""
+        tensors, meta = self._payload()
+        return st_save(tensors, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "Results":
+        """Inverse of `to_bytes`."""
+        return cls._from(st_load(blob), _st_metadata(blob), None)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Results":
@@ -75,11 +92,14 @@ class Results:
 
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-        tensors = load_file(str(path))
+        return cls._from(load_file(str(path)), meta, str(path))
+
+    @classmethod
+    def _from(cls, tensors: dict[str, torch.Tensor], meta: dict, path: str | None) -> "Results":
         out = cls(request_id=meta.get("request_id", ""), prompt_len=int(meta.get("prompt_len", 0)),
                   token_ids=tensors.pop("token_ids").tolist(), index=int(meta.get("index", 0)),
                   model=meta.get("model", ""), errors=json.loads(meta.get("errors", "[]")),
-                  path=str(path))
+                  path=path)
         for name, t in tensors.items():
             if name.endswith(".positions"):
                 continue

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 
 def install() -> None:
-    from . import frontend, v1, v2
+    from . import frontend, server, v1, v2
     from .common import worker_rpc
     from .patching import when_imported
 
     frontend.install()
+    server.install()
     v1.install()
     v2.install()
 

@@ -88,6 +88,8 @@ def worker_rpc(worker: Any, op: str, *args: Any) -> Any:
         return {"error": "vllm_hook is not active on this worker (VLLM_HOOK_DISABLE set there?)"}
     if op == "fetch":
         return rt.fetch(*args)
+    if op == "discard":
+        return rt.discard(*args)
     if op == "register_vectors":
         return rt.register_vectors(*args)
     if op == "delete_vectors":

@@ -43,6 +43,35 @@ def _run_engine(orig):
     return run_engine
 
 
+def _abort_request(orig):
+    from ..frontend.delivery import RPC, forget
+    from ..frontend.state import maybe_state
+
+    def abort_request(self, request_ids, *args, **kwargs):
+        out = orig(self, request_ids, *args, **kwargs)
+        st = maybe_state(self.input_processor)
+        keys = forget(st, list(request_ids)) if st is not None and st.pending else []
+        if keys:
+            self.collective_rpc(RPC, args=("discard", keys))
+        return out
+    return abort_request
+
+
+def _async_abort(orig):
+    from ..frontend.delivery import RPC, forget
+    from ..frontend.state import maybe_state
+
+    async def abort(self, request_id, *args, **kwargs):
+        out = await orig(self, request_id, *args, **kwargs)
+        st = maybe_state(self.input_processor)
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        keys = forget(st, ids) if st is not None and st.pending else []
+        if keys:
+            await self.collective_rpc(RPC, args=("discard", keys))
+        return out
+    return abort
+
+
 def _patch_llm(mod) -> None:
     for klass in mod.LLM.__mro__:
         if "_run_engine" in klass.__dict__:
@@ -57,3 +86,7 @@ def install() -> None:
     when_imported("vllm.v1.engine.input_processor",
                   lambda m: wrap_method(m.InputProcessor, "process_inputs", _process_inputs))
     when_imported("vllm.entrypoints.llm", _patch_llm)
+    when_imported("vllm.v1.engine.llm_engine",
+                  lambda m: wrap_method(m.LLMEngine, "abort_request", _abort_request))
+    when_imported("vllm.v1.engine.async_llm",
+                  lambda m: wrap_method(m.AsyncLLM, "abort", _async_abort))

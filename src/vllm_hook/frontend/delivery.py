@@ -65,3 +65,16 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
     fetched = merge_ranks(rpc(RPC, args=("fetch", keys))) if keys else {}
     for out, res in todo:
         setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res))
+
+
+def forget(st: FrontendState, request_ids: Sequence[str]) -> list[str]:
+    """Aborted requests: drop their frontend records; return the keys whose worker-side results
+    must be discarded. Accepts external ids and internal ones (`{external}-{8 chars}`)."""
+    keys = []
+    for rid in request_ids:
+        res = st.pop_pending(str(rid))
+        if res is None and "-" in str(rid):
+            res = st.pop_pending(str(rid).rsplit("-", 1)[0])
+        if res is not None and res.items:
+            keys.append(res.key)
+    return keys

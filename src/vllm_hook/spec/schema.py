@@ -85,12 +85,15 @@ class HookSpec(_Model):
         return not self.capture and not self.steer
 
 
+_BRANCH_TAGS = {"add", "cap", "ablate", "int", "str", "float", "bool", "dict", "list"}
+
+
 def _loc(loc: tuple) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("add", "cap", "ablate", "list[int]", "int", "literal['all']", "str"):
+        elif "[" in part or part in _BRANCH_TAGS:
             continue  # pydantic's union-branch names are noise for a user
         else:
             out += f".{part}" if out else str(part)

@@ -287,6 +287,10 @@ class HookRuntime:
                     self.done.pop(rid, None)
         return out
 
+    def discard(self, keys: list[str]) -> int:
+        """Drop the results of aborted requests (their steps may still be in flight)."""
+        return sum(len(v) for v in self.fetch(keys, drop=True).values())
+
     def register_vectors(self, vectors: dict[str, bytes]) -> list[str]:
         for name, raw in vectors.items():
             self.named[name] = np.frombuffer(raw, dtype=np.float32).copy()

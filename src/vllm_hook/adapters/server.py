@@ -1,0 +1,233 @@
+"""API-server patches (`vllm serve`): result delivery over HTTP, spec errors as HTTP errors,
+and the plugin's routes on vLLM's app.
+
+* `AsyncLLM.generate`: when a request with a spec finishes, fetch its captures from the
+  workers (one RPC per request) and attach `Results` to the final `RequestOutput`, before the
+  serving code sees it. Works for any AsyncLLM user, not only HTTP.
+* `OpenAIServingCompletion.create_completion` / `OpenAIServingChat.create_chat_completion`:
+  collect those results per HTTP request and add the `"vllm_hook"` field (non-streaming) or
+  one extra SSE event before `data: [DONE]` (streaming); turn spec errors into 400/404.
+* `vllm.entrypoints.serve.register_vllm_serve_api_routers`: also attach `/v1/hook/*`, so an
+  unmodified `vllm serve` has the routes without naming an endpoint plugin in VLLM_PLUGINS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from http import HTTPStatus
+from types import SimpleNamespace
+from typing import Any
+
+from ..frontend.delivery import RPC, merge_ranks, results_for
+from ..frontend.state import FrontendState, maybe_state, state_of
+from ..results import ATTR, Results
+from ..server import encode
+from ..server.errors import check_served_spec, spec_error_of, status_of
+from ..server.store import ResultStore
+from ..spec.errors import SpecError
+from ..spec.schema import SPEC_KEY
+from .patching import when_imported, wrap_method
+
+log = logging.getLogger("vllm_hook")
+SERVED_ATTR = "_vllm_hook_served"
+
+
+@dataclass
+class Served:
+    """What the API server keeps per engine: the frontend state and the retained results."""
+
+    frontend: FrontendState
+    store: ResultStore
+
+
+def served_of(engine_client: Any) -> Served:
+    sv = engine_client.__dict__.get(SERVED_ATTR)
+    if sv is None:
+        st = state_of(engine_client.input_processor)
+        sv = Served(st, ResultStore(st.cfg.max_retained_bytes, st.cfg.result_ttl_s))
+        engine_client.__dict__[SERVED_ATTR] = sv
+    return sv
+
+
+# ---- AsyncLLM.generate -----------------------------------------------------------------------
+
+class _Tokens:
+    """Token ids seen so far. Streaming requests get deltas; `Results` needs all of them."""
+
+    def __init__(self, delta: bool):
+        self.delta, self.prompt, self.gen = delta, None, {}
+
+    def add(self, out: Any) -> None:
+        if self.prompt is None and out.prompt_token_ids is not None:
+            self.prompt = list(out.prompt_token_ids)
+        for c in out.outputs:
+            if self.delta:
+                self.gen.setdefault(c.index, []).extend(c.token_ids)
+            else:
+                self.gen[c.index] = list(c.token_ids)
+
+    def view(self, out: Any) -> Any:
+        outs = [SimpleNamespace(index=i, token_ids=t) for i, t in sorted(self.gen.items())]
+        return SimpleNamespace(request_id=out.request_id, prompt_token_ids=self.prompt or [],
+                               outputs=outs)
+
+
+async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Results] | None:
+    st = maybe_state(engine.input_processor)
+    res = st.pop_pending(request_id) if st is not None else None
+    if res is None:
+        return None
+    entries: list[dict] = []
+    try:
+        if res.items:
+            replies = await engine.collective_rpc(RPC, args=("fetch", [res.key]))
+            entries = merge_ranks(replies).get(res.key, [])
+        return results_for(st, view, entries, res)
+    except Exception as e:  # the generation succeeded: report, never fail the HTTP request
+        log.exception("vllm_hook: fetching results of %s failed", request_id)
+        return Results(request_id=request_id, prompt_len=len(view.prompt_token_ids),
+                       token_ids=list(view.prompt_token_ids),
+                       errors=[f"results could not be fetched from the workers: {e!r}"])
+
+
+async def _delivering(engine, agen, request_id: str, delta: bool, sink, slot):
+    tokens = _Tokens(delta)
+    try:
+        async for out in agen:
+            tokens.add(out)
+            if out.finished:
+                got = await _fetch(engine, request_id, tokens.view(out))
+                if got is not None:
+                    setattr(out, ATTR, got)
+                    if sink is not None:
+                        sink.fill(slot, got)
+            yield out
+    except Exception as e:
+        if sink is not None:
+            sink.error = e
+            if delta and spec_error_of(e) is not None:
+                # A streamed HTTP request: the create wrapper answers 400/404 from sink.error.
+                # Ending quietly spares vLLM's stream generator from logging a traceback.
+                return
+        raise
+    finally:
+        await agen.aclose()
+
+
+def _generate(orig):
+    def generate(self, *args, **kwargs):
+        agen = orig(self, *args, **kwargs)
+        sp = args[1] if len(args) > 1 else kwargs.get("sampling_params")
+        extra = getattr(sp, "extra_args", None)
+        if not extra or SPEC_KEY not in extra:
+            return agen
+        request_id = str(args[2] if len(args) > 2 else kwargs.get("request_id"))
+        delta = getattr(getattr(sp, "output_kind", None), "name", "") == "DELTA"
+        sink = encode.current()      # read now: the caller's context, not the consumer's
+        slot = sink.reserve() if sink is not None else None
+        return _delivering(self, agen, request_id, delta, sink, slot)
+    return generate
+
+
+# ---- OpenAI serving classes -------------------------------------------------------------------
+
+def _error(serving: Any, err: SpecError):
+    status, err_type = status_of(err)
+    return serving.create_error_response(str(err), err_type=err_type, status_code=HTTPStatus(status))
+
+
+async def _encode(serving: Any, sink: encode.Sink) -> dict:
+    sv = served_of(serving.engine_client)
+    # Serialising large captures is CPU work: keep it off the event loop.
+    return await asyncio.to_thread(encode.payload, sink, sv.store, sv.frontend.cfg)
+
+
+async def _relay(serving: Any, first: str | None, stream, sink: encode.Sink):
+    meta: dict = {}
+    try:
+        if first is not None:
+            meta = encode.chunk_meta(first)
+            yield first
+        async for chunk in stream:
+            if encode.is_done(chunk):
+                yield encode.stream_chunk(meta, await _encode(serving, sink))
+            elif not meta and isinstance(chunk, str) and chunk.startswith("data:"):
+                meta = encode.chunk_meta(chunk)
+            yield chunk
+    finally:
+        await stream.aclose()
+
+
+async def _streaming(serving: Any, stream, sink: encode.Sink):
+    # Pull the first event now: a spec is admitted when the stream starts, and an invalid one
+    # must become an HTTP error, not a 200 stream carrying an error event.
+    first, failure = None, None
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        pass
+    except Exception as e:
+        failure = e
+    err = spec_error_of(sink.error)
+    if err is not None:
+        await stream.aclose()
+        return _error(serving, err)
+    if failure is not None:
+        raise failure
+    return _relay(serving, first, stream, sink)
+
+
+def _create(orig):
+    async def create(self, request, *args, **kwargs):
+        raw = (getattr(request, "vllm_xargs", None) or {}).get(SPEC_KEY)
+        if raw is None:
+            return await orig(self, request, *args, **kwargs)
+        try:
+            check_served_spec(raw)
+        except SpecError as e:
+            return _error(self, e)
+        with encode.collecting() as sink:
+            try:
+                result = await orig(self, request, *args, **kwargs)
+            except Exception as e:
+                err = spec_error_of(e)
+                if err is None:
+                    raise
+                return _error(self, err)
+        if type(result).__name__ == "ErrorResponse":
+            return result
+        if hasattr(result, "model_dump"):
+            # vLLM's response models allow extra fields: this one is serialised with the rest.
+            setattr(result, "vllm_hook", await _encode(self, sink))
+            return result
+        return await _streaming(self, result, sink)
+    return create
+
+
+# ---- app routes ----------------------------------------------------------------------------------
+
+def _patch_app_builder(mod) -> None:
+    orig = mod.register_vllm_serve_api_routers
+    if getattr(orig, "__vllm_hook__", False):
+        return
+
+    def register_vllm_serve_api_routers(app, *args, **kwargs):
+        orig(app, *args, **kwargs)
+        from ..server.routes import attach
+
+        attach(app)
+
+    register_vllm_serve_api_routers.__vllm_hook__ = True
+    mod.register_vllm_serve_api_routers = register_vllm_serve_api_routers
+
+
+def install() -> None:
+    when_imported("vllm.v1.engine.async_llm",
+                  lambda m: wrap_method(m.AsyncLLM, "generate", _generate))
+    when_imported("vllm.entrypoints.openai.completion.serving",
+                  lambda m: wrap_method(m.OpenAIServingCompletion, "create_completion", _create))
+    when_imported("vllm.entrypoints.openai.chat_completion.serving",
+                  lambda m: wrap_method(m.OpenAIServingChat, "create_chat_completion", _create))
+    when_imported("vllm.entrypoints.serve", _patch_app_builder)

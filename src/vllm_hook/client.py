@@ -1,0 +1,323 @@
+"""HTTP clients for a `vllm serve` with vllm-hook: the offline API, over the network.
+
+    client = vllm_hook.Client("http://localhost:8000", api_key="...")
+    out = client.generate("Tell me about the sea.", spec, max_tokens=32, temperature=0)
+    out.text, out.token_ids, out.results.activations["resid_post"][12]
+
+`Client` is synchronous, `AsyncClient` has the same methods as coroutines. Results come back
+as the same `Results` objects as offline; results too large to travel inline are fetched by
+handle and then deleted on the server. `Client.results_of(response)` does the same for a
+response (or the extra stream event) obtained with the `openai` package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import httpx
+
+from .results import Results
+from .spec.errors import SpecError, UnknownVectorError
+from .spec.schema import SPEC_KEY, HookSpec
+from .spec.vectors import encode_vector
+
+DEFAULT_TIMEOUT = 600.0
+
+
+class ServerError(Exception):
+    """The server refused a request (`status` is the HTTP status)."""
+
+    def __init__(self, status: int, message: str, body: Any = None):
+        Exception.__init__(self, f"HTTP {status}: {message}")  # not super(): SpecError's init differs
+        self.status, self.message, self.body = status, message, body
+
+
+class RemoteSpecError(ServerError, SpecError):
+    """The server rejected the spec (HTTP 400); also catchable as `vllm_hook.SpecError`."""
+
+    def __init__(self, status: int, message: str, body: Any = None):
+        ServerError.__init__(self, status, message, body)
+        self.where, self.problem, self.fix = "", message, ""
+
+
+class RemoteUnknownVectorError(RemoteSpecError, UnknownVectorError):
+    """A steering op named a vector the server does not have (HTTP 404)."""
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    token_ids: list[int] | None
+    prompt_token_ids: list[int] | None
+    finish_reason: str | None
+    results: Results | None = None
+
+
+@dataclass
+class Generation:
+    """One completion or chat response. `text`, `token_ids` and `results` are choice 0's."""
+
+    id: str
+    choices: list[Choice]
+    usage: dict = field(default_factory=dict)
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        return self.choices[0].token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return self.choices[0].prompt_token_ids
+
+    @property
+    def results(self) -> Results | None:
+        return self.choices[0].results
+
+
+# ---- what both clients share: request bodies and response parsing ---------------------------
+
+def spec_json(spec: Any) -> str:
+    """A spec (dict, HookSpec or JSON string) as the JSON string `vllm_xargs` carries. Tensor
+    and numpy vectors travel as exact base64 float32."""
+    if isinstance(spec, (str, bytes)):
+        return spec if isinstance(spec, str) else spec.decode()
+    if isinstance(spec, HookSpec):
+        spec = spec.model_dump(exclude_none=True)
+    spec = dict(spec)
+    if spec.get("steer"):
+        spec["steer"] = [{**op, "vector": _wire_vector(op.get("vector"))} for op in spec["steer"]]
+    return json.dumps(spec)
+
+
+def _wire_vector(v: Any) -> Any:
+    if v is None or isinstance(v, (str, dict, list)):
+        return v
+    if isinstance(v, tuple):
+        return list(v)
+    return encode_vector(v)
+
+
+def _body(base: dict, spec: Any, sampling: dict) -> dict:
+    body = {**base, **sampling}
+    body.setdefault("return_token_ids", True)
+    if spec is not None:
+        xargs = dict(body.get("vllm_xargs") or {})
+        xargs[SPEC_KEY] = spec_json(spec)
+        body["vllm_xargs"] = xargs
+    return body
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        body = resp.json()
+        err = body.get("error", body)
+        message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+    except ValueError:
+        body, message = resp.text, resp.text
+    if "vllm_hook spec error" in message:
+        cls = RemoteUnknownVectorError if resp.status_code == 404 else RemoteSpecError
+        raise cls(resp.status_code, message, body)
+    raise ServerError(resp.status_code, message, body)
+
+
+def hook_field(response: Any) -> dict | None:
+    """The `"vllm_hook"` field of a response or stream event: a dict, or an `openai` object."""
+    if isinstance(response, Mapping):
+        return response.get("vllm_hook")
+    extra = getattr(response, "model_extra", None) or {}
+    return extra.get("vllm_hook", getattr(response, "vllm_hook", None))
+
+
+def _entries(response: Any) -> list[dict]:
+    hook = hook_field(response)
+    return sorted((hook or {}).get("results", []), key=lambda e: e["index"])
+
+
+def _decode(entry: dict, data: bytes | None) -> Results:
+    if data is None:
+        return Results(request_id="", prompt_len=0, token_ids=[], index=entry.get("index", 0),
+                       errors=list(entry.get("errors") or ["no result data"]))
+    r = Results.from_bytes(data)
+    for e in entry.get("errors") or []:
+        if e not in r.errors:
+            r.errors.append(e)
+    return r
+
+
+def _generation(body: dict, pairs: list[tuple[int, Results]], chat: bool) -> Generation:
+    by_index = dict(pairs)      # entry index = the response's choice index
+    choices = []
+    for c in body.get("choices", []):
+        text = ((c.get("message") or {}).get("content") or "") if chat else c.get("text", "")
+        choices.append(Choice(index=c["index"], text=text, token_ids=c.get("token_ids"),
+                              prompt_token_ids=c.get("prompt_token_ids", body.get("prompt_token_ids")),
+                              finish_reason=c.get("finish_reason"), results=by_index.get(c["index"])))
+    return Generation(id=body.get("id", ""), choices=choices, usage=body.get("usage") or {}, raw=body)
+
+
+def _base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+# ---- the clients ---------------------------------------------------------------------------
+
+class Client:
+    """Synchronous client. `base_url` with or without `/v1`; `model` defaults to the first
+    served model."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
+                 model: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 http: httpx.Client | None = None):
+        self.model = model
+        self._http = http or httpx.Client(base_url=_base_url(base_url), headers=_headers(api_key),
+                                          timeout=timeout)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        resp = self._http.request(method, path, **kw)
+        _raise_for(resp)
+        return resp
+
+    def _model(self) -> str:
+        if self.model is None:
+            self.model = self._call("GET", "/v1/models").json()["data"][0]["id"]
+        return self.model
+
+    def generate(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Generation:
+        """`/v1/completions`. `prompt` is text or token ids; `sampling` are OpenAI/vLLM fields
+        (max_tokens, temperature, n, seed, ...)."""
+        body = _body({"model": self._model(), "prompt": prompt}, spec, sampling)
+        data = self._call("POST", "/v1/completions", json=body).json()
+        return _generation(data, self._pairs(data), chat=False)
+
+    def chat(self, messages: list[dict], spec: Any = None, **sampling) -> Generation:
+        """`/v1/chat/completions`."""
+        body = _body({"model": self._model(), "messages": messages}, spec, sampling)
+        data = self._call("POST", "/v1/chat/completions", json=body).json()
+        return _generation(data, self._pairs(data), chat=True)
+
+    def results_of(self, response: Any) -> list[Results]:
+        """The results in a response (dict, `openai` object or the extra stream event), in
+        choice order; fetched by handle where needed, and then deleted on the server."""
+        return [r for _, r in self._pairs(response)]
+
+    def _pairs(self, response: Any) -> list[tuple[int, Results]]:
+        out = []
+        for e in _entries(response):
+            data = base64.b64decode(e["data"]) if e.get("data") else None
+            if data is None and e.get("handle"):
+                data = self._call("GET", f"/v1/hook/results/{e['handle']}").content
+                self._call("DELETE", f"/v1/hook/results/{e['handle']}")
+            out.append((e["index"], _decode(e, data)))
+        return out
+
+    def register_vectors(self, vectors: Mapping[str, Any]) -> list[str]:
+        """Store named steering vectors on the server; specs may then name them."""
+        body = {k: _wire_vector(v) for k, v in vectors.items()}
+        return self._call("POST", "/v1/hook/vectors", json=body).json()["vectors"]
+
+    def delete_vectors(self, names: Sequence[str]) -> list[str]:
+        left = None
+        for n in [names] if isinstance(names, str) else names:
+            left = self._call("DELETE", f"/v1/hook/vectors/{n}").json()["vectors"]
+        return left if left is not None else self.list_vectors()
+
+    def list_vectors(self) -> list[str]:
+        return self._call("GET", "/v1/hook/vectors").json()["vectors"]
+
+    def health(self) -> dict:
+        return self._call("GET", "/v1/hook/health").json()
+
+
+class AsyncClient:
+    """The same API as `Client`, as coroutines (httpx.AsyncClient)."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
+                 model: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+                 http: httpx.AsyncClient | None = None):
+        self.model = model
+        self._http = http or httpx.AsyncClient(base_url=_base_url(base_url),
+                                               headers=_headers(api_key), timeout=timeout)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        resp = await self._http.request(method, path, **kw)
+        _raise_for(resp)
+        return resp
+
+    async def _model(self) -> str:
+        if self.model is None:
+            self.model = (await self._call("GET", "/v1/models")).json()["data"][0]["id"]
+        return self.model
+
+    async def generate(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Generation:
+        body = _body({"model": await self._model(), "prompt": prompt}, spec, sampling)
+        data = (await self._call("POST", "/v1/completions", json=body)).json()
+        return _generation(data, await self._pairs(data), chat=False)
+
+    async def chat(self, messages: list[dict], spec: Any = None, **sampling) -> Generation:
+        body = _body({"model": await self._model(), "messages": messages}, spec, sampling)
+        data = (await self._call("POST", "/v1/chat/completions", json=body)).json()
+        return _generation(data, await self._pairs(data), chat=True)
+
+    async def results_of(self, response: Any) -> list[Results]:
+        return [r for _, r in await self._pairs(response)]
+
+    async def _pairs(self, response: Any) -> list[tuple[int, Results]]:
+        async def one(e: dict) -> tuple[int, Results]:
+            data = base64.b64decode(e["data"]) if e.get("data") else None
+            if data is None and e.get("handle"):
+                data = (await self._call("GET", f"/v1/hook/results/{e['handle']}")).content
+                await self._call("DELETE", f"/v1/hook/results/{e['handle']}")
+            return e["index"], _decode(e, data)
+
+        return list(await asyncio.gather(*(one(e) for e in _entries(response))))
+
+    async def register_vectors(self, vectors: Mapping[str, Any]) -> list[str]:
+        body = {k: _wire_vector(v) for k, v in vectors.items()}
+        return (await self._call("POST", "/v1/hook/vectors", json=body)).json()["vectors"]
+
+    async def delete_vectors(self, names: Sequence[str]) -> list[str]:
+        left = None
+        for n in [names] if isinstance(names, str) else names:
+            left = (await self._call("DELETE", f"/v1/hook/vectors/{n}")).json()["vectors"]
+        return left if left is not None else await self.list_vectors()
+
+    async def list_vectors(self) -> list[str]:
+        return (await self._call("GET", "/v1/hook/vectors")).json()["vectors"]
+
+    async def health(self) -> dict:
+        return (await self._call("GET", "/v1/hook/health")).json()

@@ -1,0 +1,98 @@
+"""Per-HTTP-request collection of results and their encoding into the JSON response.
+
+A `Sink` gathers the `Results` of the engine requests one HTTP request makes (one per prompt;
+`n > 1` gives a list per prompt). The API-server patches fill it; `payload` turns it into
+the `"vllm_hook"` field: inline base64 safetensors when small enough, a handle otherwise.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator
+
+from ..config import HookConfig
+from ..results import Results
+from .store import ResultStore
+
+FORMAT = "safetensors"
+STREAM_OBJECT = "vllm_hook.results"
+
+_CURRENT: ContextVar["Sink | None"] = ContextVar("vllm_hook_sink", default=None)
+
+
+class Sink:
+    def __init__(self):
+        self.slots: list[Results | list[Results] | None] = []
+        self.error: BaseException | None = None     # what an engine request raised, if any
+
+    def reserve(self) -> int:
+        """One slot per engine request, in the order the server makes them (= prompt order)."""
+        self.slots.append(None)
+        return len(self.slots) - 1
+
+    def fill(self, slot: int, results: Results | list[Results]) -> None:
+        self.slots[slot] = results
+
+
+def current() -> Sink | None:
+    return _CURRENT.get()
+
+
+@contextmanager
+def collecting() -> Iterator[Sink]:
+    sink = Sink()
+    token = _CURRENT.set(sink)
+    try:
+        yield sink
+    finally:
+        _CURRENT.reset(token)
+
+
+def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig) -> dict[str, Any]:
+    data = r.to_bytes()
+    entry = {"index": index, "format": FORMAT, "bytes": len(data), "data": None, "handle": None,
+             "errors": list(r.errors)}
+    if len(data) <= cfg.max_inline_result_bytes:
+        entry["data"] = base64.b64encode(data).decode("ascii")
+    else:
+        entry["handle"] = store.put(data)
+        if entry["handle"] is None:
+            entry["errors"].append(
+                f"results of {len(data)} bytes exceed max_retained_bytes={store.max_bytes} and "
+                "were dropped; capture fewer layers or tokens, or raise "
+                "additional_config vllm_hook.max_retained_bytes")
+    return entry
+
+
+def payload(sink: Sink, store: ResultStore, cfg: HookConfig) -> dict[str, Any]:
+    """The `"vllm_hook"` field. `index` is the response's choice index (prompt * n + child)."""
+    entries = []
+    for slot, got in enumerate(sink.slots):
+        if got is None:
+            continue
+        group = got if isinstance(got, list) else [got]
+        for r in group:
+            entries.append(encode_one(r, slot * len(group) + r.index, store, cfg))
+    return {"results": sorted(entries, key=lambda e: e["index"])}
+
+
+def chunk_meta(chunk: str) -> dict[str, Any]:
+    """id/created/model of an SSE chunk of the OpenAI stream (to label ours the same way)."""
+    try:
+        body = json.loads(chunk.strip()[len("data:"):])
+    except ValueError:
+        return {}
+    return {k: body[k] for k in ("id", "created", "model") if isinstance(body, dict) and k in body}
+
+
+def stream_chunk(meta: dict[str, Any], body: dict[str, Any]) -> str:
+    """The extra SSE event sent just before `data: [DONE]`."""
+    event = {**meta, "object": STREAM_OBJECT, "choices": [], "vllm_hook": body}
+    return f"data: {json.dumps(event)}\n\n"
+
+
+def is_done(chunk: Any) -> bool:
+    return isinstance(chunk, str) and chunk.strip() == "data: [DONE]"

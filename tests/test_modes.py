@@ -1,0 +1,49 @@
+"""The same hooks in every execution mode: compiled (Inductor) vs eager, and the default
+multi-process engine (workers in other processes, results over vLLM's RPC), via the demo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
+
+pytestmark = pytest.mark.engine
+SPEC = {"steer": [{"op": "add", "layer": 1, "vector": vec(51).tolist(), "scale": 4.0},
+                  {"op": "cap", "layer": 2, "vector": vec(52).tolist(), "min": -0.1, "max": 0.1}],
+        "capture": [{"layers": "all", "tokens": "all"},
+                    {"layers": [0, 3], "site": "attn_out"}, {"layers": [1], "site": "mlp_out"}]}
+
+
+def _run(llm):
+    prompts = [ids_of(llm, p) for p in PROMPTS[:3]]
+    return run(llm, prompts, [sp(SPEC, max_tokens=10), sp(None, max_tokens=10), sp(SPEC, max_tokens=5)])
+
+
+def test_compiled_equals_eager(engines):
+    compiled = _run(engines.get("qwen2-compiled", arch="qwen2"))
+    c = [(list(o.outputs[0].token_ids), getattr(o, "vllm_hook", None)) for o in compiled]
+    eager = _run(engines.get("qwen2-eager", arch="qwen2", enforce_eager=True))
+    for (ctoks, cres), e in zip(c, eager):
+        assert ctoks == list(e.outputs[0].token_ids)
+        if cres is None:
+            continue
+        eres = res(e)
+        for site in cres.activations:
+            for L in cres.activations[site]:
+                assert rel_err(eres.activations[site][L], cres.activations[site][L]) <= 1e-5
+
+
+def test_demo_multiprocess_engine():
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run([sys.executable, "-m", "vllm_hook.demo", "--eager"], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "resid_post layer 0: (1, 128) float32" in out, out
+    assert "resid_post layer 3: (12, 128) float32" in out, out      # last prompt token + 11 generated
+    assert "run alone without the plugin's help: True" in out, out
+    assert "requests only: [False, False, True, True]" in out, out

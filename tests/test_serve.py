@@ -1,0 +1,482 @@
+"""Served mode on a real `vllm serve` (one subprocess for the module, CPU, eager).
+
+Offline references come first, from an in-process engine with the same settings, which is
+shut down before the server starts (one engine at a time). Over HTTP, captures must equal the
+offline ones (rel. 1e-5, identical positions and tokens) whatever else runs concurrently;
+bad specs get 400/404/413 and the server keeps serving; retained results stay bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import vllm_hook
+from tests.helpers.common import rel_err, res, run, sp, vec
+from vllm_hook.server.store import ResultStore
+from vllm_hook.testing.tiny_models import tiny_model
+
+pytestmark = pytest.mark.server
+
+API_KEY = "test-key"
+TOL = 1e-5
+H = 128
+INLINE = 4096            # max_inline_result_bytes of the test server: bigger results go by handle
+MAX_BODY = 1 << 20       # max_request_bytes of the test server
+HOOK_CONFIG = {"max_inline_result_bytes": INLINE, "max_request_bytes": MAX_BODY}
+ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=64 << 20)
+
+P1 = [11, 52, 97, 140, 201, 33, 77, 260, 301, 19, 45]
+P2 = [300, 12, 8, 99, 150, 151, 152, 40]
+P3 = [7, 70, 170, 270, 370, 470, 17, 27, 37]
+CHAT = [{"role": "user", "content": "Please write a short poem about the sea"}]
+ALL_SITES = ("resid_post", "resid_pre", "attn_out", "mlp_out")
+
+
+def _steer(op: str, layer: int, seed: int, **kw) -> dict:
+    return {"op": op, "layer": layer, "vector": vec(seed).tolist(), **kw}
+
+
+# name -> (prompt ids, spec, max_tokens). Each is run solo offline; over HTTP, alone or mixed.
+CASES = {
+    "capture_all": (P1, {"capture": [{"layers": "all", "site": s} for s in ALL_SITES]}, 6),
+    "capture_last_prompt": (P2, {"capture": [{"layers": [1, -1], "tokens": "last_prompt"}]}, 4),
+    "capture_generated": (P3, {"capture": [{"layers": [2], "site": "mlp_out", "tokens": "generated"}]}, 5),
+    "capture_positions": (P1, {"capture": [{"layers": [0, 3], "site": "attn_out", "tokens": [0, 2, -1]}]}, 3),
+    "steer_add": (P2, {"steer": [_steer("add", 1, 1, scale=4.0)],
+                       "capture": [{"layers": [1, 2]}]}, 6),
+    "steer_norm_match": (P3, {"steer": [_steer("add", 2, 2, scale=0.5, norm_match=True)],
+                              "capture": [{"layers": [3], "tokens": "last"}]}, 6),
+    "steer_cap_ablate": (P1, {"steer": [_steer("cap", 1, 3, min=-0.05, max=0.05),
+                                        _steer("ablate", 2, 4, scale=0.0)],
+                              "capture": [{"layers": [2], "site": "resid_pre"}]}, 6),
+    "steer_named": (P2, {"steer": [{"op": "add", "layer": 0, "vector": "calm", "scale": 6.0,
+                                    "tokens": "generated"}],
+                         "capture": [{"layers": [0], "tokens": "all"}]}, 6),
+}
+NAMED = {"calm": vec(9)}
+
+
+# ---- offline references, then the server --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def refs(engines):
+    """Offline results of every case, each generated alone (and the chat case)."""
+    llm = engines.get("serve-ref", **ENGINE)
+    vllm_hook.register_vectors(llm, NAMED)
+    out = {}
+    for name, (ids, spec, n) in CASES.items():
+        o = run(llm, [ids], [sp(spec, max_tokens=n)])[0]
+        out[name] = (list(o.outputs[0].token_ids), res(o))
+    chat_spec = CASES["capture_all"][1]
+    o = llm.chat(CHAT, sp(chat_spec, max_tokens=5), use_tqdm=False)[0]
+    out["chat"] = (list(o.outputs[0].token_ids), res(o))
+    engines.close()     # the server gets the CPU to itself
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, port: int, proc: subprocess.Popen, log: Path):
+        self.port, self.proc, self.log = port, proc, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@pytest.fixture(scope="module")
+def server(refs):
+    port = _free_port()
+    log = Path(tempfile.mkdtemp(prefix="vllm_hook_serve_")) / "server.log"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_PLUGINS", "VLLM_HOOK_DISABLE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+           "--model", tiny_model("qwen2"), "--dtype", "float32", "--max-model-len", "512",
+           "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+           "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
+           "--additional-config", json.dumps({"vllm_hook": HOOK_CONFIG})]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)   # own process group: killed as one
+    srv = Server(port, proc, log)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if not srv.alive():
+                pytest.fail(f"server exited with {proc.returncode}:\n{srv.tail()}")
+            try:
+                if httpx.get(f"{srv.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after 300 s:\n{srv.tail()}")
+            time.sleep(1)
+        with vllm_hook.Client(srv.url, api_key=API_KEY) as c:
+            c.register_vectors(NAMED)
+        yield srv
+    finally:
+        _stop(proc, port)
+
+
+def _stop(proc: subprocess.Popen, port: int) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    # Children that left the group (none expected): only this server's port.
+    subprocess.run(["pkill", "-f", "--", f"--port {port} "], check=False)
+
+
+@pytest.fixture
+def client(server):
+    with vllm_hook.Client(server.url, api_key=API_KEY) as c:
+        yield c
+
+
+def _same(got: vllm_hook.Results, ref: vllm_hook.Results, what: str) -> None:
+    assert got.errors == [], f"{what}: {got.errors}"
+    assert got.token_ids == ref.token_ids, f"{what}: tokens differ"
+    assert got.prompt_len == ref.prompt_len
+    assert set(got.activations) == set(ref.activations)
+    for site, layers in ref.activations.items():
+        assert set(got.activations[site]) == set(layers), f"{what} {site}: layers differ"
+        for L, t in layers.items():
+            g = got.activations[site][L]
+            assert g.dtype == torch.float32 and g.shape == t.shape, f"{what} {site}.{L}: shape"
+            assert torch.equal(got.positions[site][L], ref.positions[site][L]), f"{what} {site}.{L}"
+            if t.numel():
+                err = rel_err(g, t)
+                assert err <= TOL, f"{what} {site}.{L}: rel err {err:.2e}"
+
+
+def _check_case(name: str, gen, refs) -> None:
+    tokens, ref = refs[name]
+    assert gen.token_ids == tokens, f"{name}: generated {gen.token_ids} != offline {tokens}"
+    _same(gen.results, ref, name)
+
+
+def _good_request_works(client) -> None:
+    ids, spec, n = CASES["capture_last_prompt"]
+    out = client.generate(ids, spec, max_tokens=1, temperature=0)
+    assert out.results is not None and out.results.ok
+
+
+# ---- results over HTTP equal offline --------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_http_equals_offline(client, refs, name):
+    ids, spec, n = CASES[name]
+    out = client.generate(ids, spec, max_tokens=n, temperature=0)
+    _check_case(name, out, refs)
+
+
+def test_large_results_travel_by_handle_and_are_deleted(client, refs):
+    ids, spec, n = CASES["capture_all"]
+    out = client.generate(ids, spec, max_tokens=n, temperature=0)
+    entry = out.raw["vllm_hook"]["results"][0]
+    assert entry["data"] is None and entry["handle"] and entry["bytes"] > INLINE
+    _check_case("capture_all", out, refs)
+    # The client fetched the handle and deleted it.
+    r = httpx.get(f"{client._http.base_url}/v1/hook/results/{entry['handle']}",
+                  headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 404
+
+
+def test_small_results_travel_inline(client):
+    ids, spec, _ = CASES["capture_last_prompt"]
+    out = client.generate(ids, spec, max_tokens=2, temperature=0)
+    entry = out.raw["vllm_hook"]["results"][0]
+    assert entry["handle"] is None and entry["data"] and entry["bytes"] <= INLINE
+    assert entry["format"] == "safetensors" and entry["index"] == 0 and entry["errors"] == []
+
+
+def test_handle_routes(server):
+    """GET returns the safetensors bytes of Results.save; DELETE frees; both 404 afterwards."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    ids, spec, n = CASES["capture_all"]
+    body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": 2, "temperature": 0,
+            "vllm_xargs": {"vllm_hook": json.dumps(spec)}}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=120)
+    assert r.status_code == 200, r.text
+    handle = r.json()["vllm_hook"]["results"][0]["handle"]
+    got = httpx.get(f"{server.url}/v1/hook/results/{handle}", headers=auth)
+    assert got.status_code == 200 and got.headers["content-type"] == "application/octet-stream"
+    results = vllm_hook.Results.from_bytes(got.content)
+    assert results.activations["resid_post"][0].shape == (len(ids) + 1, H)
+    assert httpx.delete(f"{server.url}/v1/hook/results/{handle}", headers=auth).status_code == 200
+    assert httpx.get(f"{server.url}/v1/hook/results/{handle}", headers=auth).status_code == 404
+    assert httpx.delete(f"{server.url}/v1/hook/results/{handle}", headers=auth).status_code == 404
+
+
+def test_chat_with_openai_package_equals_offline(server, refs):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    spec = CASES["capture_all"][1]
+    resp = oc.chat.completions.create(
+        model=tiny_model("qwen2"), messages=CHAT, max_tokens=5, temperature=0,
+        extra_body={"vllm_xargs": {"vllm_hook": json.dumps(spec)}, "return_token_ids": True})
+    with vllm_hook.Client(server.url, api_key=API_KEY) as c:
+        (got,) = c.results_of(resp)
+    tokens, ref = refs["chat"]
+    assert resp.choices[0].token_ids == tokens
+    _same(got, ref, "chat")
+
+
+def test_concurrent_requests_stay_isolated(server, refs):
+    """Eight requests with different specs at once: each equals its solo offline result."""
+    names = list(CASES)
+
+    async def main():
+        async with vllm_hook.AsyncClient(server.url, api_key=API_KEY) as ac:
+            return await asyncio.gather(*(
+                ac.generate(CASES[n][0], CASES[n][1], max_tokens=CASES[n][2], temperature=0)
+                for n in names))
+
+    outs = asyncio.run(main())
+    assert len(names) == 8
+    for name, out in zip(names, outs):
+        _check_case(name, out, refs)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_streamed_request_gets_results(server, refs, route):
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    extra = {"vllm_xargs": {"vllm_hook": json.dumps(CASES["capture_all"][1])}, "return_token_ids": True}
+    if route == "completions":
+        ids, _, n = CASES["capture_all"]
+        stream = oc.completions.create(model=tiny_model("qwen2"), prompt=ids, max_tokens=n,
+                                       temperature=0, stream=True, extra_body=extra)
+        ref_name = "capture_all"
+    else:
+        stream = oc.chat.completions.create(model=tiny_model("qwen2"), messages=CHAT, max_tokens=5,
+                                            temperature=0, stream=True, extra_body=extra)
+        ref_name = "chat"
+    chunks = list(stream)
+    hook = [c for c in chunks if c.object == "vllm_hook.results"]
+    assert len(hook) == 1 and chunks[-1] is hook[0], "one results event, just before [DONE]"
+    tokens = [t for c in chunks for ch in c.choices for t in (ch.token_ids or [])]
+    with vllm_hook.Client(server.url, api_key=API_KEY) as c:
+        (got,) = c.results_of(hook[0])
+    ref_tokens, ref = refs[ref_name]
+    assert tokens == ref_tokens
+    _same(got, ref, f"streamed {route}")
+
+
+def test_n_greater_than_one_gives_one_result_per_choice(client):
+    ids, spec, _ = CASES["capture_last_prompt"]
+    out = client.generate([ids, P3], spec, max_tokens=3, temperature=1.0, n=2, seed=3)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for c in out.choices:
+        prompt = ids if c.index < 2 else P3
+        assert c.results.token_ids == prompt + c.token_ids
+        assert c.results.activations["resid_post"][1].shape == (1, H)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+GOOD = [0.1] * H
+BAD_SPECS = {
+    "unknown_field": ({"capture": [], "stear": []}, 400, "unknown field 'stear'"),
+    "malformed_json": ('{"capture": [', 400, "malformed JSON"),
+    "wrong_vector_size": ({"steer": [{"op": "add", "layer": 0, "vector": [1.0] * 12}]}, 400,
+                          "expected 128 values"),
+    "nan_vector": ({"steer": [{"op": "add", "layer": 0, "vector": [math.nan] * H}]}, 400, "NaN"),
+    "bad_layer": ({"capture": [{"layers": [4]}]}, 400, "out of range for a 4-layer model"),
+    "bad_position": ({"capture": [{"tokens": [-1000]}]}, 400, "before the start"),
+    "save_on_server": ({"save": {"dir": "/tmp/x"}, "capture": [{"layers": [0]}]}, 400,
+                       "not available over HTTP"),
+    "unknown_vector": ({"steer": [{"op": "add", "layer": 0, "vector": "no_such"}]}, 404,
+                       "no registered vector named 'no_such'"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("case", list(BAD_SPECS))
+def test_bad_spec_status(server, client, case, route, stream):
+    spec, status, needle = BAD_SPECS[case]
+    raw = spec if isinstance(spec, str) else json.dumps(spec)
+    body = {"model": tiny_model("qwen2"), "max_tokens": 2, "stream": stream,
+            "vllm_xargs": {"vllm_hook": raw}}
+    body.update({"prompt": P2} if route == "completions" else {"messages": CHAT})
+    path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+    r = httpx.post(server.url + path, json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and "Fix:" in err["message"] and err["code"] == status
+    _good_request_works(client)
+
+
+def test_client_raises_spec_errors(client):
+    with pytest.raises(vllm_hook.UnknownVectorError):
+        client.generate(P2, {"steer": [{"op": "add", "layer": 0, "vector": "no_such"}]}, max_tokens=1)
+    with pytest.raises(vllm_hook.SpecError) as e:
+        client.generate(P2, {"capture": [{"layers": [9]}]}, max_tokens=1)
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/hook/vectors"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["content_length", "chunked"])
+def test_oversize_body_is_413(server, client, path, chunked):
+    spec = {"steer": [{"op": "add", "layer": 0, "vector": [0.125] * 150_000}]}
+    body = json.dumps({"model": tiny_model("qwen2"), "prompt": P2, "messages": CHAT, "max_tokens": 1,
+                       "vllm_xargs": {"vllm_hook": json.dumps(spec)}}).encode()
+    assert len(body) > MAX_BODY
+    content = (body[i:i + 65536] for i in range(0, len(body), 65536)) if chunked else body
+    r = httpx.post(server.url + path, content=content, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert "max_request_bytes" in r.json()["error"]["message"]
+    _good_request_works(client)
+
+
+# ---- routes ---------------------------------------------------------------------------------
+
+def test_vector_routes(server, client):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert "calm" in client.list_vectors()
+    names = client.register_vectors({"tmp.a": vec(20), "tmp-b": {"b64": vllm_hook.encode_vector(
+        vec(21), "bfloat16")["b64"], "dtype": "bfloat16"}})
+    assert {"calm", "tmp.a", "tmp-b"} <= set(names)
+    out = client.generate(P3, {"steer": [{"op": "add", "layer": 1, "vector": "tmp.a", "scale": 5.0}]},
+                          max_tokens=3, temperature=0)
+    assert out.results.ok
+    assert set(client.delete_vectors(["tmp.a", "tmp-b"])) == {"calm"}
+    url = f"{server.url}/v1/hook/vectors"
+    assert httpx.delete(f"{url}/tmp.a", headers=auth).status_code == 404
+    bad = httpx.post(url, json={"short": [1.0, 2.0]}, headers=auth)
+    assert bad.status_code == 400 and "expected 128 values" in bad.text
+    bad = httpx.post(url, content=b"{not json", headers={**auth, "content-type": "application/json"})
+    assert bad.status_code == 400
+    bad = httpx.post(url, json={"bad name!": GOOD}, headers=auth)
+    assert bad.status_code == 400 and "invalid vector name" in bad.text
+    with pytest.raises(vllm_hook.UnknownVectorError):
+        client.generate(P3, {"steer": [{"op": "add", "layer": 1, "vector": "tmp.a"}]}, max_tokens=1)
+
+
+def test_routes_require_the_api_key(server):
+    for method, path in [("GET", "/v1/hook/health"), ("GET", "/v1/hook/vectors"),
+                         ("POST", "/v1/hook/vectors"), ("DELETE", "/v1/hook/vectors/calm"),
+                         ("GET", "/v1/hook/results/x"), ("DELETE", "/v1/hook/results/x")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, server.url + path, headers=headers, json={})
+            assert r.status_code == 401, (method, path, r.status_code)
+
+
+def test_health(client):
+    h = client.health()
+    assert h["status"] == "ok" and h["vllm_hook_version"] == vllm_hook.__version__
+    assert h["vllm_version"] and h["num_layers"] == 4 and h["hidden_size"] == H
+    assert h["limits"] == {"max_inline_result_bytes": INLINE, "max_request_bytes": MAX_BODY}
+    assert {"count", "bytes", "max_bytes", "ttl_s"} <= set(h["retained_results"])
+    assert len(h["workers"]) == 1 and "retained_bytes" in h["workers"][0]
+
+
+# ---- memory -----------------------------------------------------------------------------------
+
+def test_500_requests_leave_nothing_retained(server, client):
+    """Half the results go by handle (fetched, then deleted by the client), half inline."""
+    big = {"capture": [{"layers": [0, 1], "tokens": "all"}]}       # > INLINE bytes
+    small = {"capture": [{"layers": [2], "tokens": "last_prompt"}]}
+    prompts = [[(i * 7 + j) % 500 + 3 for j in range(10)] for i in range(500)]
+
+    async def main():
+        sem = asyncio.Semaphore(64)
+        async with vllm_hook.AsyncClient(server.url, api_key=API_KEY) as ac:
+            async def one(i):
+                async with sem:
+                    return await ac.generate(prompts[i], big if i % 2 else small, max_tokens=1,
+                                             temperature=0)
+            return await asyncio.gather(*(one(i) for i in range(500)))
+
+    t0 = time.monotonic()
+    outs = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    handles = sum(o.raw["vllm_hook"]["results"][0]["handle"] is not None for o in outs)
+    assert handles == 250
+    for i, o in enumerate(outs):
+        r = o.results
+        assert r.ok and r.token_ids[:10] == prompts[i]
+        assert r.activations["resid_post"][(1 if i % 2 else 2)].shape[0] == (10 if i % 2 else 1)
+    h = client.health()
+    assert h["retained_results"]["count"] == 0 and h["retained_results"]["bytes"] == 0, h
+    assert h["pending_requests"] == 0
+    w = h["workers"][0]
+    assert w["retained_bytes"] == 0 and w["results_waiting"] == 0 and w["admitted"] == 0, w
+    print(f"500 requests in {elapsed:.1f} s")
+
+
+# ---- pieces that need no server ---------------------------------------------------------------
+
+def test_result_store_bounds():
+    now = [0.0]
+    store = ResultStore(max_bytes=100, ttl_s=10.0, clock=lambda: now[0])
+    a = store.put(b"a" * 40)
+    b = store.put(b"b" * 40)
+    assert store.stats().bytes == 80
+    c = store.put(b"c" * 40)             # over the bound: the oldest goes
+    assert store.get(a) is None and store.get(b) and store.get(c)
+    assert store.put(b"x" * 101) is None  # never fits
+    now[0] = 11.0                         # past the TTL: everything goes
+    assert store.get(b) is None and store.stats().count == 0 and store.stats().bytes == 0
+    d = store.put(b"d")
+    assert store.delete(d) and not store.delete(d) and store.stats().bytes == 0
+
+
+def test_routes_attach_once():
+    from argparse import Namespace
+
+    from fastapi import FastAPI
+
+    from vllm_hook.server.plugin import make_plugin
+    from vllm_hook.server.routes import attach
+
+    app = FastAPI()
+    app.state.args = Namespace(additional_config={"vllm_hook": HOOK_CONFIG})
+    attach(app)                          # what the general plugin does
+    plugin = make_plugin()               # what VLLM_PLUGINS=...,vllm_hook_routes adds
+    assert plugin.name == "vllm_hook_routes"
+    plugin.attach_router(app)
+    hook_routes = [r for r in app.routes if getattr(r, "path", "").startswith("/v1/hook/")]
+    assert len(hook_routes) == 6
+    assert sum(m.cls.__name__ == "BodyLimit" for m in app.user_middleware) == 1
+
+
+def test_results_bytes_round_trip(tmp_path):
+    r = vllm_hook.Results(request_id="r", prompt_len=2, token_ids=[1, 2, 3],
+                          activations={"resid_post": {1: torch.randn(2, 4)}},
+                          positions={"resid_post": {1: torch.tensor([0, 2])}}, errors=["e"])
+    back = vllm_hook.Results.from_bytes(r.to_bytes())
+    assert back.token_ids == [1, 2, 3] and back.errors == ["e"] and back.prompt_len == 2
+    assert torch.equal(back.activations["resid_post"][1], r.activations["resid_post"][1])
+    r.save(tmp_path / "r.safetensors")
+    assert (tmp_path / "r.safetensors").read_bytes() == r.to_bytes()

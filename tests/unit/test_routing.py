@@ -1,0 +1,69 @@
+"""Batch-layout math without an engine: rows, positions, padding, selectors, pool overflow."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_hook.model.layout import PointTable
+from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, route_step
+
+L, K = 4, 2
+
+
+def arrays(T, points=6):
+    return np.zeros((T, L * K), np.int64), np.full((T, points), 999, np.int64)
+
+
+def test_two_requests_chunked_and_decode():
+    op, cap = arrays(10)
+    a = RequestRoutes(5, steer=(SteerRoute(col=2, op_row=7, sel="all"),),
+                      capture=(CaptureRoute(point=1, sels=(("all", ()),)),))
+    b = RequestRoutes(3, steer=(SteerRoute(col=3, op_row=9, sel="generated"),),
+                      capture=(CaptureRoute(point=1, sels=(("last_prompt", ()),)),))
+    # a: decode row (position 6) at row 0; b: prompt chunk positions 0..2 at rows 1..3.
+    r = route_step([("a", a, Rows(0, 1, 6)), ("b", b, Rows(1, 3, 0))], op, cap, pool_rows=100)
+    assert op[:, 2].tolist() == [7, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert op[:, 3].tolist() == [0] * 10                  # b has no generated rows yet
+    assert cap[:, 1].tolist()[:4] == [0, 999, 999, 1]       # a's row, then b's last prompt token
+    assert [(s.owner, s.pool_start, s.positions.tolist()) for s in r.segments] == [("a", 0, [6]), ("b", 1, [2])]
+    assert r.pool_used == 2 and r.steered_upto == 1
+
+
+def test_padding_rows_untouched_and_positions_selector():
+    op, cap = arrays(8)
+    a = RequestRoutes(4, steer=(SteerRoute(col=0, op_row=1, sel="pos", pos=(1, 3)),),
+                      capture=(CaptureRoute(point=0, sels=(("prompt", ()),)),))
+    r = route_step([("a", a, Rows(2, 4, 0))], op, cap, pool_rows=100)
+    assert op[:, 0].tolist() == [0, 0, 0, 1, 0, 1, 0, 0]
+    assert cap[:, 0].tolist() == [999, 999, 0, 1, 2, 3, 999, 999]
+    assert r.steered_upto == 6
+
+
+def test_last_selector_and_union():
+    op, cap = arrays(4)
+    a = RequestRoutes(3, capture=(CaptureRoute(point=2, sels=(("last", ()), ("pos", (0,)))),))
+    r = route_step([("a", a, Rows(0, 3, 0))], op, cap, pool_rows=100)
+    assert r.segments[0].positions.tolist() == [0, 2]
+
+
+def test_pool_overflow_is_reported_not_silent():
+    op, cap = arrays(8)
+    a = RequestRoutes(8, capture=(CaptureRoute(point=0, sels=(("all", ()),)),))
+    b = RequestRoutes(8, capture=(CaptureRoute(point=0, sels=(("all", ()),)),))
+    r = route_step([("a", a, Rows(0, 4, 0)), ("b", b, Rows(4, 4, 0))], op, cap, pool_rows=6)
+    assert [s.owner for s in r.segments] == ["a"] and r.overflow == ["b"]
+    assert (cap[4:, 0] == 999).all()
+
+
+def test_horizon():
+    assert RequestRoutes(5, capture=(CaptureRoute(0, (("last_prompt", ()),)),)).horizon == 4
+    assert RequestRoutes(5, steer=(SteerRoute(0, 1, "pos", (7,)),)).horizon == 7
+    assert RequestRoutes(5, steer=(SteerRoute(0, 1, "generated"),)).horizon == float("inf")
+
+
+def test_point_table_resid_pre_aliases_previous_resid_post():
+    t = PointTable(4, ("resid_post", "resid_pre", "attn_out", "mlp_out"))
+    assert t.col("resid_pre", 2) == t.col("resid_post", 1)
+    assert t.col("resid_pre", 0) == 4
+    assert t.n_points == 4 + 1 + 4 + 4
+    assert len({t.col("attn_out", i) for i in range(4)} | {t.col("mlp_out", i) for i in range(4)}) == 8

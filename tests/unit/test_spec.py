@@ -1,0 +1,113 @@
+"""Spec parsing and resolution: every invalid input gets a SpecError naming where and the fix."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from vllm_hook.config import HookConfig
+from vllm_hook.spec import ModelInfo, SpecError, UnknownVectorError, encode_vector, parse_spec, resolve
+from vllm_hook.spec.vectors import decode_vector
+
+INFO = ModelInfo(num_layers=4, hidden_size=8, name="tiny")
+CFG = HookConfig()
+V = [1.0] * 8
+
+
+def R(spec, prompt_len=10, names=None, cfg=CFG):
+    return resolve(parse_spec(spec), INFO, cfg, prompt_len, (names or {}).get, max_model_len=64)
+
+
+def test_json_string_and_dict_agree():
+    spec = {"capture": [{"layers": [0, -1], "tokens": "last_prompt"}]}
+    a, b = R(spec), R(json.dumps(spec))
+    assert a.wire["cap"] == b.wire["cap"]
+    assert [c["layer"] for c in a.wire["cap"]] == [0, 3]
+
+
+@pytest.mark.parametrize("spec, where, words", [
+    ("{not json", "spec", "malformed JSON"),
+    ([1, 2], "spec", "expected an object"),
+    ({"captur": []}, "captur", "unknown field"),
+    ({"capture": [{"layers": [9]}]}, "capture[0].layers[0]", "out of range"),
+    ({"capture": [{"layers": [-5]}]}, "capture[0].layers[0]", "out of range"),
+    ({"capture": [{"layers": [], "tokens": "all"}]}, "capture[0].layers", "empty"),
+    ({"capture": [{"site": "resid_mid"}]}, "capture[0].site", "resid_post"),
+    ({"capture": [{"tokens": "firstish"}]}, "capture[0].tokens", "last_prompt"),
+    ({"capture": [{"tokens": [-11]}]}, "capture[0].tokens[0]", "before the start"),
+    ({"capture": [{"tokens": [99]}]}, "capture[0].tokens", "max_model_len"),
+    ({"steer": [{"op": "shift", "layer": 0, "vector": V}]}, "steer[0]", "op"),
+    ({"steer": [{"op": "add", "layer": 4, "vector": V}]}, "steer[0].layer", "out of range"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": [1.0] * 7}]}, "steer[0].vector", "expected 8 values"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": [math.nan] + [1.0] * 7}]}, "steer[0].vector", "NaN"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": [math.inf] + [1.0] * 7}]}, "steer[0].vector", "infinite"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": [[1.0] * 8]}]}, "steer[0].vector", "1-D"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": "nope"}]}, "steer[0].vector", "no registered vector"),
+    ({"steer": [{"op": "ablate", "layer": 0, "vector": [0.0] * 8}]}, "steer[0].vector", "zero norm"),
+    ({"steer": [{"op": "cap", "layer": 0, "vector": V}]}, "steer[0]", "min, max"),
+    ({"steer": [{"op": "cap", "layer": 0, "vector": V, "min": 2, "max": 1}]}, "steer[0]", "greater than max"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": V, "scale": "x"}]}, "steer[0].scale", ""),
+    ({"steer": [{"op": "add", "layer": 0, "vector": {"b64": "@@", "dtype": "float32"}}]}, "steer[0].vector", "base64"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": {"b64": "AAAA", "dtype": "int8"}}]}, "steer[0].vector", "dtype"),
+    ({"steer": [{"op": "add", "layer": 1, "vector": V}] * 3}, "steer[2].layer", "max_ops_per_layer"),
+])
+def test_invalid_specs(spec, where, words):
+    with pytest.raises(SpecError) as e:
+        R(spec)
+    assert e.value.where == where, str(e.value)
+    assert words in str(e.value)
+    assert "Fix:" in str(e.value)
+
+
+def test_unknown_vector_is_its_own_error_type():
+    with pytest.raises(UnknownVectorError):
+        R({"steer": [{"op": "add", "layer": 0, "vector": "missing"}]})
+
+
+def test_site_not_instrumented():
+    cfg = HookConfig(sites=("resid_post",))
+    with pytest.raises(SpecError, match="not instrumented"):
+        R({"capture": [{"site": "attn_out"}]}, cfg=cfg)
+
+
+def test_coefficients():
+    w = R({"steer": [
+        {"op": "add", "layer": 0, "vector": V, "scale": 2.0},
+        {"op": "add", "layer": 1, "vector": V, "scale": 0.5, "norm_match": True},
+        {"op": "cap", "layer": 2, "vector": V, "max": 1.5},
+        {"op": "ablate", "layer": 3, "vector": V, "scale": 0.25},
+    ]}).wire["steer"]
+    inf = math.inf
+    assert [s["c"] for s in w] == [[2.0, 0, 0, -inf, inf], [0, 0.5, 0, -inf, inf],
+                                   [0, 0, 0, -inf, 1.5], [0, 0, -0.75, -inf, inf]]
+
+
+def test_vectors_in_every_form():
+    arr = np.arange(8, dtype=np.float32)
+    for form in ("float32", "float16", "bfloat16"):
+        back = decode_vector(encode_vector(arr, form), "v")
+        assert np.allclose(back, arr)
+    import torch
+    assert np.allclose(decode_vector(torch.arange(8.0), "v"), arr)
+    assert decode_vector("name", "v") == "name"
+
+
+def test_steering_salts_and_capture_skips_cache():
+    a = R({"steer": [{"op": "add", "layer": 0, "vector": V}]})
+    b = R({"steer": [{"op": "add", "layer": 0, "vector": V, "scale": 2.0}]})
+    assert a.steer_digest and a.steer_digest != b.steer_digest
+    assert R({"capture": [{"tokens": "all"}]}).reads_cached_prefix
+    assert not R({"capture": [{"tokens": "last_prompt"}]}).reads_cached_prefix
+    assert not R({"capture": [{"tokens": "generated"}]}).reads_cached_prefix
+
+
+def test_named_vector_resolves_to_digest():
+    r = R({"steer": [{"op": "add", "layer": 0, "vector": "calm"}]}, names={"calm": "abc"})
+    assert r.wire["steer"][0]["name"] == "calm" and r.wire["steer"][0]["digest"] == "abc"
+
+
+def test_empty_spec():
+    assert parse_spec({}).is_empty
