@@ -1,0 +1,107 @@
+"""One vLLM engine in its own process, driven by JSON commands on stdin.
+
+The coordinator (`run.py`) starts one of these per engine (native = plugin disabled, plugin,
+plugin eager), so both stay alive and measurements can alternate between them. Protocol:
+each command is one JSON line on stdin; each reply is one line `@@ {json}` on stdout (vLLM's
+own log lines go to the same stream; the coordinator parses start-up figures from them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def reply(obj) -> None:
+    sys.stdout.write("@@ " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    lo = min(1000, vocab // 4)
+    return [[rng.randrange(lo, vocab - 1) for _ in range(length)] for _ in range(n)]
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    if cfg.get("native"):
+        os.environ["VLLM_HOOK_DISABLE"] = "1"
+    import torch
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(cfg["llm"])
+    t0 = time.perf_counter()
+    llm = LLM(cfg["model"], **kwargs)
+    startup = time.perf_counter() - t0
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    elt = torch.tensor([], dtype=llm.llm_engine.model_config.dtype).element_size()
+    hook = None
+    if not cfg.get("native"):
+        import vllm_hook as hook
+    stats = hook.stats(llm) if hook else {}
+    reply({"ready": True, "startup_s": startup, "stats": stats, "vocab": vocab})
+
+    def run(cmd):
+        n, plen, gen = cmd["n"], cmd["prompt_len"], cmd["max_tokens"]
+        ps = prompts(n, plen, vocab, cmd.get("seed", 0))
+        specs = cmd.get("specs") or [None] * n
+        sps = [SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True,
+                              extra_args={"vllm_hook": s} if (s and hook) else None) for s in specs]
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
+        nbytes = 0
+        if hook:
+            for o in outs:
+                if hasattr(o, "vllm_hook"):
+                    for per_layer in hook.results(o).activations.values():
+                        nbytes += sum(x.numel() * elt for x in per_layer.values())  # as captured
+        dt = time.perf_counter() - t
+        return outs, dt, nbytes
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "quit":
+                reply({"bye": True})
+                break
+            if op == "time":
+                times, nbytes = [], 0
+                for _ in range(cmd.get("reps", 1)):
+                    _, dt, nbytes = run(cmd)
+                    times.append(dt)
+                reply({"times": times, "capture_bytes": nbytes})
+            elif op == "outputs":
+                outs, _, _ = run(cmd)
+                res = []
+                for o in outs:
+                    item = {"tokens": list(o.outputs[0].token_ids)}
+                    if hook and hasattr(o, "vllm_hook"):
+                        r = hook.results(o)
+                        path = os.path.join(cmd["save_dir"], f"{cmd['tag']}_{o.request_id}.safetensors")
+                        r.save(path)
+                        item["saved"] = path
+                    res.append(item)
+                reply({"outputs": res})
+            elif op == "register_bench_vectors":
+                g = torch.Generator().manual_seed(0)
+                vecs = {n: torch.randn(cmd["hidden"], generator=g) for n in ("bench_a", "bench_b")}
+                reply({"names": hook.register_vectors(llm, vecs)})
+            elif op == "stats":
+                reply({"stats": hook.stats(llm) if hook else {}})
+            else:
+                reply({"error": f"unknown op {op}"})
+        except Exception as e:  # report and keep serving
+            import traceback
+
+            reply({"error": repr(e), "trace": traceback.format_exc()[-2000:]})
+
+
+if __name__ == "__main__":
+    main()

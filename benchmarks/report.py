@@ -1,0 +1,65 @@
+"""Render results.json of run.py as a markdown report (the tables of docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+TARGETS = {  # issue 5: ratio to native TPOT, same run, CUDA graphs on
+    "unused": 1.01, "steer_add_1_layer": 1.02, "steer_add_all_layers": 1.05,
+    "capture_last_prompt_4_layers": 1.03, "mixed_thirds": 1.05,
+}
+
+
+def _med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def write_report(r: dict) -> str:
+    m = r["meta"]
+    lines = [f"Run {m.get('started')}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; "
+             f"model {m['shape']}; suite `{m['suite']}`; wall {m.get('wall_s', 0):.0f} s.", ""]
+    st = r.get("startup", {})
+    if st:
+        lines += ["| engine | start-up s | compile s | CUDA-graph GiB | KV cache tokens |", "|---|---|---|---|---|"]
+        for k, v in st.items():
+            lines.append(f"| {k} | {v.get('startup_s', float('nan')):.1f} | {v.get('compile_s', float('nan')):.1f} | "
+                         f"{v.get('graph_gib', float('nan')):.2f} | {int(v.get('kv_tokens', 0)):,} |")
+        lines.append("")
+    b = r.get("bench")
+    if b:
+        lines += ["Decode time per output token (median of reps; (W(gen+1) - W(1)) / gen):", "",
+                  "| workload | concurrency | native ms | plugin ms | ratio | target |", "|---|---|---|---|---|---|"]
+        keys = sorted({(x["workload"], x["concurrency"]) for x in b["tpot"]},
+                      key=lambda k: (list(dict.fromkeys(x["workload"] for x in b["tpot"])).index(k[0]), k[1]))
+        for w, c in keys:
+            rows = [x for x in b["tpot"] if x["workload"] == w and x["concurrency"] == c]
+            n, p = _med([x["native_s"] for x in rows]), _med([x["plugin_s"] for x in rows])
+            t = TARGETS.get(w)
+            verdict = "" if t is None else (f"<= {t:.2f} {'met' if p / n <= t else 'MISSED'}")
+            lines.append(f"| {w} | {c} | {1e3 * n:.3f} | {1e3 * p:.3f} | {p / n:.3f} | {verdict} |")
+        lines += ["", "Prefill latency (one request, max_tokens=1, wall time of generate + results):", "",
+                  "| prompt tokens | workload | native ms | plugin ms | ratio | captured MiB |", "|---|---|---|---|---|---|"]
+        for x in b["prefill"]:
+            lines.append(f"| {x['prompt_len']} | {x['workload']} | {1e3 * x['native_s']:.2f} | "
+                         f"{1e3 * x['plugin_s']:.2f} | {x['plugin_s'] / x['native_s']:.2f} | "
+                         f"{x['capture_bytes'] / 2**20:.2f} |")
+        lines += ["", "All-layer, all-token capture of a 512-token prompt, delivered to host memory "
+                  "(end-to-end request latency; target <= 2x native):", "",
+                  "| generated tokens | native ms | plugin ms | ratio | captured MiB | capture MiB/s |",
+                  "|---|---|---|---|---|---|"]
+        for x in b["capture_e2e"]:
+            lines.append(f"| {x['max_tokens']} | {1e3 * x['native_s']:.1f} | {1e3 * x['plugin_s']:.1f} | "
+                         f"{x['plugin_s'] / x['native_s']:.2f} | {x['capture_bytes'] / 2**20:.1f} | "
+                         f"{x['capture_bytes'] / 2**20 / x['plugin_s']:.0f} |")
+        s = b.get("plugin_stats", {})
+        lines += ["", f"Plugin device buffers: {s.get('device_buffer_bytes', 0) / 2**20:.1f} MiB."]
+    c = r.get("check")
+    if c:
+        lines += ["Checks:", "", "```", json.dumps(c["checks"], indent=1), "```"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(write_report(json.load(open(sys.argv[1]))))

@@ -1,0 +1,308 @@
+"""vllm-hook benchmark suite and GPU check: native vLLM and vllm-hook side by side, one run.
+
+    python benchmarks/run.py --suite bench --model PATH --out DIR      # speed, memory, start-up
+    python benchmarks/run.py --suite check --model PATH --out DIR      # graphs vs eager (issue 4)
+    python benchmarks/run.py --smoke --out DIR                         # CPU, tiny model, no timing claims
+
+Each engine lives in its own process (`engine_worker.py`): native (VLLM_HOOK_DISABLE=1) and
+plugin engines are alive together and every measurement alternates between them, so drift hits
+both. Engines start one after another, each with empty compile caches (cold start-up).
+Writes DIR/results.json and DIR/report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LOG_PATTERNS = {
+    "graph_gib": re.compile(r"Graph capturing finished in \S+ secs, took ([\d.]+) GiB"),
+    "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)"),
+    "compile_s": re.compile(r"compilation: ([\d.]+) s"),
+    "kv_tokens": re.compile(r"KV cache size: ([\d,]+) tokens"),
+}
+
+
+class Worker:
+    def __init__(self, name: str, cfg: dict, log_dir: Path):
+        self.name = name
+        self.log = open(log_dir / f"{name}.log", "w")
+        env = dict(os.environ)
+        cache = tempfile.mkdtemp(prefix=f"vh_cache_{name}_")
+        env.update(VLLM_CACHE_ROOT=cache, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor",
+                   TRITON_CACHE_DIR=f"{cache}/triton", PYTHONUNBUFFERED="1")
+        if cfg.get("native"):
+            env["VLLM_HOOK_DISABLE"] = "1"
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "engine_worker.py"), json.dumps(cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        self.replies: queue.Queue = queue.Queue()
+        self.figures: dict = {}
+        self.tail: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                self.replies.put(json.loads(line[3:]))
+                continue
+            self.log.write(line)
+            self.tail = (self.tail + [line])[-40:]
+            for k, pat in LOG_PATTERNS.items():
+                m = pat.search(line)
+                if m and k not in self.figures:
+                    self.figures[k] = float(m.group(1).replace(",", ""))
+        self.replies.put({"error": f"{self.name} exited", "tail": "".join(self.tail)})
+
+    def wait(self, timeout: float) -> dict:
+        try:
+            r = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"{self.name}: no reply in {timeout} s\n" + "".join(self.tail))
+        if "error" in r:
+            raise RuntimeError(f"{self.name}: {r['error']}\n{r.get('trace', '')}{r.get('tail', '')}")
+        return r
+
+    def call(self, cmd: dict, timeout: float = 300) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.wait(timeout)
+
+    def close(self):
+        try:
+            self.call({"op": "quit"}, timeout=30)
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start(name, model, llm_kwargs, log_dir, native=False, timeout=900) -> tuple[Worker, dict]:
+    w = Worker(name, {"model": model, "llm": llm_kwargs, "native": native}, log_dir)
+    ready = w.wait(timeout)
+    info = {"startup_s": ready["startup_s"], **w.figures, "stats": ready.get("stats", {})}
+    print(f"[{name}] ready: {json.dumps({k: v for k, v in info.items() if k != 'stats'})}", flush=True)
+    return w, info
+
+
+# --------------------------------------------------------------------------------------------
+def workloads(L: int) -> dict:
+    mid = L // 2
+    four = sorted({L // 7, (2 * L) // 7 + 1, (4 * L) // 7, L - 2})
+    steer1 = {"steer": [{"op": "add", "layer": mid, "vector": "bench_a", "scale": 0.5}]}
+    cap4 = {"capture": [{"layers": four, "tokens": "all"}]}
+    return {
+        "unused": lambda i: None,
+        "steer_add_1_layer": lambda i: steer1,
+        "steer_add_all_layers": lambda i: {"steer": [{"op": "add", "layer": x, "vector": "bench_a",
+                                                      "scale": 0.05} for x in range(L)]},
+        "cap_1_layer": lambda i: {"steer": [{"op": "cap", "layer": mid, "vector": "bench_b", "min": -1.0,
+                                             "max": 1.0}]},
+        "capture_last_prompt_4_layers": lambda i: {"capture": [{"layers": four, "tokens": "last_prompt"}]},
+        "capture_last_prompt_all_layers": lambda i: {"capture": [{"layers": "all", "tokens": "last_prompt"}]},
+        "capture_all_tokens_4_layers": lambda i: cap4,
+        "capture_all_tokens_all_layers": lambda i: {"capture": [{"layers": "all", "tokens": "all"}]},
+        "mixed_thirds": lambda i: [steer1, cap4, None][i % 3],
+    }
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def tpot(w: Worker, n, plen, gen, specs, reps):
+    """Decode time per output token of a batch of n: (W(gen+1) - W(1)) / gen, median of reps."""
+    a = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": 1, "specs": specs, "reps": reps})
+    b = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": gen + 1, "specs": specs, "reps": reps})
+    return (median(b["times"]) - median(a["times"])) / gen, median(b["times"])
+
+
+def bench(native: Worker, plugin: Worker, L: int, args) -> dict:
+    out: dict = {"tpot": [], "prefill": [], "capture_e2e": []}
+    wl = workloads(L)
+    for c in args.concurrency:
+        for name, make in wl.items():
+            specs = [make(i) for i in range(c)]
+            for rep in range(args.reps):
+                tn, wn = tpot(native, c, args.prompt_len, args.gen, None, 1)
+                tp, wp = tpot(plugin, c, args.prompt_len, args.gen, specs, 1)
+                out["tpot"].append({"workload": name, "concurrency": c, "rep": rep, "native_s": tn,
+                                    "plugin_s": tp, "native_wall_s": wn, "plugin_wall_s": wp})
+            rows = [r for r in out["tpot"] if r["workload"] == name and r["concurrency"] == c]
+            ratio = median([r["plugin_s"] for r in rows]) / median([r["native_s"] for r in rows])
+            print(f"  tpot c={c:<3} {name:32s} native {1e3 * median([r['native_s'] for r in rows]):7.3f} ms"
+                  f"  plugin {1e3 * median([r['plugin_s'] for r in rows]):7.3f} ms  x{ratio:.3f}", flush=True)
+    for plen in args.prefill_lens:
+        for name in ("unused", "capture_all_tokens_all_layers"):
+            spec = wl[name](0)
+            tn = native.call({"op": "time", "n": 1, "prompt_len": plen, "max_tokens": 1, "reps": args.reps + 2})
+            tp = plugin.call({"op": "time", "n": 1, "prompt_len": plen, "max_tokens": 1, "specs": [spec],
+                              "reps": args.reps + 2})
+            out["prefill"].append({"prompt_len": plen, "workload": name, "native_s": median(tn["times"]),
+                                   "plugin_s": median(tp["times"]), "capture_bytes": tp["capture_bytes"]})
+            print(f"  prefill {plen:4d} {name:32s} native {1e3 * median(tn['times']):7.2f} ms  plugin "
+                  f"{1e3 * median(tp['times']):7.2f} ms", flush=True)
+    for gen in (1, 16):
+        spec = wl["capture_all_tokens_all_layers"](0)
+        tn = native.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "reps": args.reps + 2})
+        tp = plugin.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "specs": [spec],
+                          "reps": args.reps + 2})
+        out["capture_e2e"].append({"prompt_len": 512, "max_tokens": gen, "native_s": median(tn["times"]),
+                                   "plugin_s": median(tp["times"]), "capture_bytes": tp["capture_bytes"]})
+        print(f"  capture e2e 512 tok, {gen} gen: native {1e3 * median(tn['times']):.1f} ms, plugin "
+              f"{1e3 * median(tp['times']):.1f} ms, {tp['capture_bytes'] / 2**20:.1f} MiB", flush=True)
+    out["plugin_stats"] = plugin.call({"op": "stats"})["stats"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+def check(engines: dict[str, Worker], L: int, args) -> dict:
+    """Graphs vs eager: tokens and captures agree; unsteered equals native; steering changes."""
+    import torch
+    from safetensors.torch import load_file
+
+    specs = [
+        None,
+        {"steer": [{"op": "add", "layer": L // 3, "vector": "bench_a", "scale": 1.0, "norm_match": True}]},
+        {"steer": [{"op": "cap", "layer": L // 2, "vector": "bench_b", "min": -0.5, "max": 0.5},
+                   {"op": "ablate", "layer": (2 * L) // 3, "vector": "bench_a"}]},
+        {"capture": [{"layers": "all", "tokens": "last_prompt"}, {"layers": [L - 1], "tokens": "generated"}]},
+        {"steer": [{"op": "add", "layer": 2, "vector": "bench_a", "scale": 2.0, "norm_match": True}],
+         "capture": [{"layers": [2, L // 2], "tokens": "all"}]},
+        None,
+    ]
+    save = tempfile.mkdtemp(prefix="vh_check_")
+    res = {}
+    for name, w in engines.items():
+        res[name] = w.call({"op": "outputs", "n": len(specs), "prompt_len": 64, "max_tokens": 24,
+                            "specs": specs, "save_dir": save, "tag": name})["outputs"]
+    tok = {k: [o["tokens"] for o in v] for k, v in res.items()}
+    report = {"specs": [json.dumps(s)[:120] if s else None for s in specs], "tokens": tok, "checks": {}}
+    c = report["checks"]
+    c["native_graph_vs_native_eager_token_agreement"] = _agree(tok["native_graph"], tok["native_eager"])
+    c["unhooked_requests_equal_native_graph"] = all(
+        tok["plugin_graph"][i] == tok["native_graph"][i] for i in (0, 3, 5))
+    c["unhooked_requests_equal_native_eager"] = all(
+        tok["plugin_eager"][i] == tok["native_eager"][i] for i in (0, 3, 5))
+    c["steered_tokens_graph_equal_eager"] = all(tok["plugin_graph"][i] == tok["plugin_eager"][i] for i in (1, 2, 4))
+    c["steered_token_agreement_graph_vs_eager"] = _agree([tok["plugin_graph"][i] for i in (1, 2, 4)],
+                                                          [tok["plugin_eager"][i] for i in (1, 2, 4)])
+    c["steering_changed_tokens"] = [tok["plugin_graph"][i] != tok["native_graph"][i] for i in (1, 2, 4)]
+    errs = {}
+    for i in (3, 4):
+        g, e = load_file(res["plugin_graph"][i]["saved"]), load_file(res["plugin_eager"][i]["saved"])
+        for k in g:
+            if k.endswith(".positions") or k == "token_ids":
+                continue
+            n = min(g[k].shape[0], e[k].shape[0])   # eager and graph may generate different tokens
+            if k.endswith(f".{L - 1}") and i == 3 or n == 0:
+                n = min(n, 1)
+            d = (g[k][:n].float() - e[k][:n].float()).abs().max() / e[k][:n].float().abs().max()
+            errs[f"req{i}.{k}"] = float(d)
+    c["capture_rel_err_graph_vs_eager_max"] = max(errs.values())
+    report["capture_rel_err"] = errs
+    return report
+
+
+def _agree(a, b) -> float:
+    tot = sum(len(x) for x in a)
+    same = sum(sum(1 for p, q in zip(x, y) if p == q) for x, y in zip(a, b))
+    return same / max(tot, 1)
+
+
+# --------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=["bench", "check"], default="bench")
+    ap.add_argument("--model", help="checkpoint directory (default: build one, see --shape)")
+    ap.add_argument("--shape", default="qwen2-1.5b", help="model shape to build when --model is absent")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny workload: checks the suite runs")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--prefill-lens", type=int, nargs="+", default=[16, 64, 256, 512])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gpu-mem", type=float, default=0.2)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(HERE.parent / "src"))
+
+    if args.smoke:
+        from vllm_hook.testing.tiny_models import tiny_model
+
+        model = tiny_model("qwen2")
+        base = dict(dtype="float32", max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=64 << 20,
+                    enforce_eager=True)
+        args.concurrency, args.prefill_lens, args.gen, args.reps, args.prompt_len = [1, 4], [16, 64], 8, 1, 32
+    else:
+        from make_model import build  # benchmarks/make_model.py
+
+        model = args.model or build(args.shape, "/tmp/vh_models")
+        base = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=64, skip_tokenizer_init=True,
+                    gpu_memory_utilization=args.gpu_mem, seed=0)
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    L, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    args.hidden = hidden
+    meta = {"suite": args.suite, "model": model, "shape": {k: cfg.get(k) for k in (
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")},
+        "argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta.update(_versions())
+    print(json.dumps(meta), flush=True)
+    t_all = time.time()
+    workers: dict[str, Worker] = {}
+    result: dict = {"meta": meta, "startup": {}}
+    try:
+        plan = [("native_graph", True, {}), ("plugin_graph", False, {})]
+        if args.suite == "check":
+            plan += [("native_eager", True, {"enforce_eager": True}), ("plugin_eager", False, {"enforce_eager": True})]
+        for name, native, extra in plan:
+            w, info = start(name, model, {**base, **extra}, out, native=native)
+            workers[name] = w
+            result["startup"][name] = info
+            if not native:
+                w.call({"op": "register_bench_vectors", "hidden": hidden})
+        if args.suite == "bench":
+            result["bench"] = bench(workers["native_graph"], workers["plugin_graph"], L, args)
+        else:
+            result["check"] = check(workers, L, args)
+            print(json.dumps(result["check"]["checks"], indent=1), flush=True)
+    finally:
+        for w in workers.values():
+            w.close()
+        result["meta"]["wall_s"] = time.time() - t_all
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+    from report import write_report  # benchmarks/report.py
+
+    (out / "report.md").write_text(write_report(result))
+    print((out / "report.md").read_text())
+
+
+def _versions() -> dict:
+    code = ("import json, torch, vllm, platform; print(json.dumps({'vllm': vllm.__version__, 'torch': "
+            "torch.__version__, 'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else "
+            "platform.processor() or 'cpu'}))")
+    try:
+        return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                         timeout=300).stdout.strip().splitlines()[-1])
+    except Exception as e:
+        return {"versions_error": repr(e)}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Source on the lent GPU machine (vLLM 0.26 from ../shared/gpu's kit, no network):
+#   source scripts/gpu_env.sh
+# Unpacks/activates the kit, puts src/ on PYTHONPATH and registers vllm-hook's entry points
+# (vLLM finds plugins through installed package metadata) without pip.
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$here/.gpukit/unpack.sh"
+export PYTHONPATH="$here/src:$here/benchmarks:${PYTHONPATH:-}"
+di=/tmp/site/vllm_hook-0.1.0.dist-info
+mkdir -p "$di"
+printf 'Metadata-Version: 2.1\nName: vllm-hook\nVersion: 0.1.0\n' >"$di/METADATA"
+awk '/^\[project.entry-points/{gsub(/\[project.entry-points."|"\]/,""); print "[" $0 "]"; on=1; next} /^\[/{on=0} on && NF' \
+  "$here/pyproject.toml" | tr -d '"' >"$di/entry_points.txt"
+python3 -c "from importlib.metadata import entry_points as e; print('vllm-hook plugins:', [x.name for x in e(group='vllm.general_plugins')])"
