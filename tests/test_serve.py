@@ -142,15 +142,18 @@ def server(refs):
 
 
 def _stop(proc: subprocess.Popen, port: int) -> None:
+    # SIGTERM to the API server alone lets vLLM stop its engine and workers in order; then
+    # anything left in the server's process group, and anything still naming its port.
+    proc.terminate()
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    # Children that left the group (none expected): only this server's port.
+    proc.wait(timeout=10)
     subprocess.run(["pkill", "-f", "--", f"--port {port} "], check=False)
 
 
@@ -282,7 +285,7 @@ def test_streamed_request_gets_results(server, refs, route):
     chunks = list(stream)
     hook = [c for c in chunks if c.object == "vllm_hook.results"]
     assert len(hook) == 1 and chunks[-1] is hook[0], "one results event, just before [DONE]"
-    tokens = [t for c in chunks for ch in c.choices for t in (ch.token_ids or [])]
+    tokens = [t for c in chunks for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])]
     with vllm_hook.Client(server.url, api_key=API_KEY) as c:
         (got,) = c.results_of(hook[0])
     ref_tokens, ref = refs[ref_name]
@@ -333,6 +336,18 @@ def test_bad_spec_status(server, client, case, route, stream):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and "Fix:" in err["message"] and err["code"] == status
+    _good_request_works(client)
+
+
+@pytest.mark.parametrize("case", ["bad_layer", "unknown_vector"])
+def test_other_endpoints_refuse_bad_specs_too(server, client, case):
+    """/v1/responses returns no results, but a bad spec still gets 400/404, never 500."""
+    spec, status, needle = BAD_SPECS[case]
+    body = {"model": tiny_model("qwen2"), "input": "Hello", "max_output_tokens": 2,
+            "vllm_xargs": {"vllm_hook": json.dumps(spec)}}
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == status and needle in r.text, r.text
     _good_request_works(client)
 
 
@@ -478,5 +493,7 @@ def test_results_bytes_round_trip(tmp_path):
     back = vllm_hook.Results.from_bytes(r.to_bytes())
     assert back.token_ids == [1, 2, 3] and back.errors == ["e"] and back.prompt_len == 2
     assert torch.equal(back.activations["resid_post"][1], r.activations["resid_post"][1])
-    r.save(tmp_path / "r.safetensors")
-    assert (tmp_path / "r.safetensors").read_bytes() == r.to_bytes()
+    r.save(tmp_path / "r.safetensors")     # the same format as a file
+    loaded = vllm_hook.Results.from_bytes((tmp_path / "r.safetensors").read_bytes())
+    assert loaded.token_ids == back.token_ids and loaded.errors == back.errors
+    assert torch.equal(loaded.activations["resid_post"][1], back.activations["resid_post"][1])

@@ -4,6 +4,8 @@ and the plugin's routes on vLLM's app.
 * `AsyncLLM.generate`: when a request with a spec finishes, fetch its captures from the
   workers (one RPC per request) and attach `Results` to the final `RequestOutput`, before the
   serving code sees it. Works for any AsyncLLM user, not only HTTP.
+* `AsyncLLM.add_request`: a spec error leaves it as a SpecError that is also vLLM's
+  client-error class, so every endpoint answers 400/404 (not 500).
 * `OpenAIServingCompletion.create_completion` / `OpenAIServingChat.create_chat_completion`:
   collect those results per HTTP request and add the `"vllm_hook"` field (non-streaming) or
   one extra SSE event before `data: [DONE]` (streaming); turn spec errors into 400/404.
@@ -14,6 +16,7 @@ and the plugin's routes on vLLM's app.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -24,9 +27,9 @@ from ..frontend.delivery import RPC, merge_ranks, results_for
 from ..frontend.state import FrontendState, maybe_state, state_of
 from ..results import ATTR, Results
 from ..server import encode
-from ..server.errors import check_served_spec, spec_error_of, status_of
+from ..server.errors import check_served_spec, error_body, spec_error_of, status_of
 from ..server.store import ResultStore
-from ..spec.errors import SpecError
+from ..spec.errors import SpecError, UnknownVectorError
 from ..spec.schema import SPEC_KEY
 from .patching import when_imported, wrap_method
 
@@ -76,16 +79,21 @@ class _Tokens:
 
 async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Results] | None:
     st = maybe_state(engine.input_processor)
-    res = st.pop_pending(request_id) if st is not None else None
-    if res is None:
+    item = st.pending.get(request_id) if st is not None else None
+    if item is None:
         return None
+    res = item[1]
     entries: list[dict] = []
     try:
         if res.items:
             replies = await engine.collective_rpc(RPC, args=("fetch", [res.key]))
             entries = merge_ranks(replies).get(res.key, [])
+        # Forgotten only now: if the client goes away during the fetch, the abort that
+        # follows still finds the request and discards its results on the workers.
+        st.pop_pending(request_id)
         return results_for(st, view, entries, res)
     except Exception as e:  # the generation succeeded: report, never fail the HTTP request
+        st.pop_pending(request_id)
         log.exception("vllm_hook: fetching results of %s failed", request_id)
         return Results(request_id=request_id, prompt_len=len(view.prompt_token_ids),
                        token_ids=list(view.prompt_token_ids),
@@ -131,6 +139,41 @@ def _generate(orig):
     return generate
 
 
+_FLAVOURED: dict[tuple[type, type], type] = {}
+
+
+def _vllm_flavoured(err: SpecError) -> SpecError:
+    """The same error, also an instance of vLLM's client-error class. generate() passes those
+    through (0.32 turns other exceptions into a 500), and vLLM's handlers answer 400/404 on
+    every endpoint; callers catching SpecError still catch it."""
+    from vllm import exceptions as vexc
+
+    base = vexc.VLLMNotFoundError if isinstance(err, UnknownVectorError) else vexc.VLLMValidationError
+    cls = _FLAVOURED.get((type(err), base))
+    if cls is None:
+        cls = type(type(err).__name__, (type(err), base), {"__init__": _flavoured_init,
+                                                           "__module__": type(err).__module__})
+        _FLAVOURED[(type(err), base)] = cls
+    return cls(err)
+
+
+def _flavoured_init(self, err: SpecError) -> None:
+    Exception.__init__(self, str(err))
+    self.where, self.problem, self.fix = err.where, err.problem, err.fix
+    self.parameter, self.value = None, None      # what vLLM's error mapping reads
+
+
+def _add_request(orig):
+    async def add_request(self, *args, **kwargs):
+        try:
+            return await orig(self, *args, **kwargs)
+        except SpecError as e:
+            if type(e) in _FLAVOURED.values():
+                raise
+            raise _vllm_flavoured(e) from e
+    return add_request
+
+
 # ---- OpenAI serving classes -------------------------------------------------------------------
 
 def _error(serving: Any, err: SpecError):
@@ -152,6 +195,11 @@ async def _relay(serving: Any, first: str | None, stream, sink: encode.Sink):
             yield first
         async for chunk in stream:
             if encode.is_done(chunk):
+                err = spec_error_of(sink.error)
+                if err is not None:
+                    # Admitted after the stream started (a later prompt of a batch): too late
+                    # for an HTTP status, so an error event as vLLM sends them.
+                    yield f"data: {json.dumps(error_body(str(err), *status_of(err)))}\n\n"
                 yield encode.stream_chunk(meta, await _encode(serving, sink))
             elif not meta and isinstance(chunk, str) and chunk.startswith("data:"):
                 meta = encode.chunk_meta(chunk)
@@ -223,9 +271,13 @@ def _patch_app_builder(mod) -> None:
     mod.register_vllm_serve_api_routers = register_vllm_serve_api_routers
 
 
+def _patch_async_llm(mod) -> None:
+    wrap_method(mod.AsyncLLM, "generate", _generate)
+    wrap_method(mod.AsyncLLM, "add_request", _add_request)
+
+
 def install() -> None:
-    when_imported("vllm.v1.engine.async_llm",
-                  lambda m: wrap_method(m.AsyncLLM, "generate", _generate))
+    when_imported("vllm.v1.engine.async_llm", _patch_async_llm)
     when_imported("vllm.entrypoints.openai.completion.serving",
                   lambda m: wrap_method(m.OpenAIServingCompletion, "create_completion", _create))
     when_imported("vllm.entrypoints.openai.chat_completion.serving",
