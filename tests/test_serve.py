@@ -252,6 +252,13 @@ def test_chat_with_openai_package_equals_offline(server, refs):
     _same(got, ref, "chat")
 
 
+def test_client_chat_equals_offline(client, refs):
+    out = client.chat(CHAT, CASES["capture_all"][1], max_tokens=5, temperature=0)
+    tokens, ref = refs["chat"]
+    assert out.token_ids == tokens and out.text
+    _same(out.results, ref, "Client.chat")
+
+
 def test_concurrent_requests_stay_isolated(server, refs):
     """Eight requests with different specs at once: each equals its solo offline result."""
     names = list(CASES)
