@@ -11,24 +11,26 @@ from vllm_hook.delivery.store import RequestStore, points_from_bytes
 from vllm_hook.model.steering import capture_rows, steer_delta
 
 
-def tables(ops, H=16):
-    """ops: list of (coef5, vector). Returns op_prm, op_vid, vec, unit."""
+def tables(ops, H=16, K=2, slots=None):
+    """ops: list of (coef5, vector). Op i+1 holds u.u with the ops listed in slots[i] (earlier
+    ops of the same row and layer), as the runtime computes it at admission."""
     n = len(ops)
-    op_prm = torch.zeros(n + 1, 5)
-    op_prm[0] = torch.tensor([0, 0, 0, -math.inf, math.inf])
+    op_prm = torch.zeros(n + 1, 4 + K)
+    op_prm[0, :5] = torch.tensor([0, 0, 0, -math.inf, math.inf])
     op_vid = torch.arange(n + 1)
-    vec = torch.zeros(n + 1, H)
+    unit = torch.zeros(n + 1, H)
     for i, (c, v) in enumerate(ops, 1):
-        op_prm[i] = torch.tensor(c)
-        vec[i] = v
-    unit = vec / vec.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    return op_prm, op_vid, vec, unit
+        unit[i] = v / v.norm()
+    for i, (c, v) in enumerate(ops, 1):
+        gram = [float(unit[i] @ unit[j]) for j in (slots or {}).get(i, [])]
+        op_prm[i] = torch.tensor([c[0] * float(v.norm()), *c[1:], *gram, *[0.0] * (K - 1 - len(gram))])
+    return op_prm, op_vid, unit
 
 
 def test_identity_is_exactly_zero():
     h = torch.randn(5, 16) * 100
-    op_prm, op_vid, vec, unit = tables([])
-    d = steer_delta(h, torch.zeros(8, 2, dtype=torch.int64), op_prm, op_vid, vec, unit, 2)
+    op_prm, op_vid, unit = tables([])
+    d = steer_delta(h, torch.zeros(8, 2, dtype=torch.int64), op_prm, op_vid, unit, 2)
     assert torch.equal(d, torch.zeros_like(h))
 
 
@@ -43,10 +45,10 @@ def test_each_formula_and_order():
            ([0, 0.5, 0, -inf, inf], v2),      # norm-matched add
            ([0, 0, 0, -0.1, 0.2], v1),        # cap
            ([0, 0, -1.0, -inf, inf], v2)]     # ablate (scale 0)
-    op_prm, op_vid, vec, unit = tables(ops, H)
+    op_prm, op_vid, unit = tables(ops, H, slots={3: [1], 4: [2]})
     # Row 0: op1 then op3 at one layer; row 1: op2 then op4; row 2: nothing.
     idx = torch.tensor([[1, 3], [2, 4], [0, 0]] + [[0, 0]] * 5)
-    d = steer_delta(h, idx, op_prm, op_vid, vec, unit, 2)
+    d = steer_delta(h, idx, op_prm, op_vid, unit, 2)
     x = h[0] + 2.0 * v1
     p = x @ u1
     x = x + (p.clamp(-0.1, 0.2) - p) * u1

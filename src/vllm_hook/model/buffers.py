@@ -5,9 +5,10 @@ compiled code and graph replays hold their addresses. Routing changes per step b
 their *contents* (see `worker/runtime.py`). Layout:
 
   op_idx  [T, L*K] int64   per batch row and (layer, op slot): row of `op_prm` (0 = identity)
-  op_prm  [N+1, 5] fp32    per op: c_add, c_norm, c_abl, lo, hi (row 0: 0, 0, 0, -inf, inf)
-  op_vid  [N+1]    int64   per op: row of `vec`/`unit`
-  vec     [V+1, H] fp32    steering vectors (row 0: zeros); unit: the same, normalised
+  op_prm  [N+1, 4+K] fp32  per op: c_add*||v||, c_norm, c_abl, lo, hi, then u.u of the
+                           request's earlier ops at that layer (row 0: 0, 0, 0, -inf, inf, 0..)
+  op_vid  [N+1]    int64   per op: row of `unit`
+  unit    [V+1, H] fp32    unit steering vectors (row 0: zeros)
   cap_idx [T, P]   int64   per batch row and capture point: destination row in `pool`
                            (rows >= pool_rows are trash)
   pool    [R+64, H] model dtype  captured rows of the current step
@@ -58,10 +59,9 @@ class HookBuffers:
         self.dtype, self.device = dtype, device
         kw = dict(device=device)
         self.op_idx = torch.zeros(s.max_tokens, s.num_layers * s.ops_per_layer, dtype=torch.int64, **kw)
-        self.op_prm = torch.zeros(s.max_ops + 1, 5, dtype=torch.float32, **kw)
-        self.op_prm[0] = torch.tensor([0.0, 0.0, 0.0, -math.inf, math.inf])
+        self.op_prm = torch.zeros(s.max_ops + 1, 4 + s.ops_per_layer, dtype=torch.float32, **kw)
+        self.op_prm[0, :5] = torch.tensor([0.0, 0.0, 0.0, -math.inf, math.inf])
         self.op_vid = torch.zeros(s.max_ops + 1, dtype=torch.int64, **kw)
-        self.vec = torch.zeros(s.max_vectors + 1, s.hidden, dtype=torch.float32, **kw)
         self.unit = torch.zeros(s.max_vectors + 1, s.hidden, dtype=torch.float32, **kw)
         self.cap_idx = torch.empty(s.max_tokens, s.n_points, dtype=torch.int64, **kw)
         self.cap_idx.copy_(self.trash_index(s.max_tokens).unsqueeze(1).expand(-1, s.n_points))
@@ -79,4 +79,4 @@ class HookBuffers:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
-                   (self.op_idx, self.op_prm, self.op_vid, self.vec, self.unit, self.cap_idx, self.pool))
+                   (self.op_idx, self.op_prm, self.op_vid, self.unit, self.cap_idx, self.pool))

@@ -2,47 +2,55 @@
 
 Plain ops (no custom op) on purpose: vLLM compiles the model with Inductor, which fuses these
 gathers, reductions and the row scatter into the kernels around them (the next layer's fused
-add+RMSNorm), so an unused hook costs no extra kernel under CUDA graphs, and the capture write
-goes straight into the pool (Inductor re-inplaces it; no copy of the buffer). No Python branch
-depends on data, so the same code is valid in eager mode, under torch.compile and in graphs.
+add+RMSNorm), and writes the capture scatter straight into the pool (no copy of the buffer).
+No Python branch depends on data, so the same code is valid in eager mode, under
+torch.compile and in CUDA graphs.
 
-Every steering op is one formula with per-row coefficients (u = v/||v||, p = h.u, n = ||h||):
-    h <- h + c_add*v + (c_norm*n + clamp(p, lo, hi) - p + c_abl*p) * u
+Every steering op moves the stream along its unit vector u = v/||v||:
+    x <- x + b*u,  b = c_add*||v|| + c_norm*||x|| + clamp(p, lo, hi) - p + c_abl*p,  p = x.u
 add: c_add = s; add+norm_match: c_norm = s; cap: lo, hi; ablate: c_abl = s - 1.
-Identity (row 0): all zero, lo = -inf, hi = +inf, so the update is exactly 0.
+Identity (row 0): all zero, lo = -inf, hi = +inf, so b is exactly 0.
+
+Ops at one layer apply in order. Their projections need no second pass over the row: with
+s_k = h.u_k and G_jk = u_j.u_k (per op pair, stored in the op row at admission),
+    p_k = s_k + sum_{j<k} b_j G_jk,    ||x_{k+1}||^2 = ||x_k||^2 + 2 b_k p_k + b_k^2,
+so one pass computes every s_k and ||h||^2, and one pointwise pass adds sum_k b_k u_k.
 """
 
 from __future__ import annotations
 
 import torch
 
+# Columns of the op-parameter table.
+C_ADD, C_NORM, C_ABL, LO, HI, GRAM = 0, 1, 2, 3, 4, 5
+
 
 def steer_delta(
     h: torch.Tensor,          # [T, H] fp32 residual stream
-    op_idx: torch.Tensor,     # [max_tokens, K] int64 (this layer's columns)
-    op_prm: torch.Tensor,     # [N+1, 5] fp32
-    op_vid: torch.Tensor,     # [N+1] int64
-    vec: torch.Tensor,        # [V+1, H] fp32
-    unit: torch.Tensor,       # [V+1, H] fp32
+    op_idx: torch.Tensor,     # [max_tokens, K] int64: this layer's op slots per row
+    op_prm: torch.Tensor,     # [N+1, 5 + K-1] fp32: c_add*||v||, c_norm, c_abl, lo, hi, G_k0..
+    op_vid: torch.Tensor,     # [N+1] int64: row of `unit`
+    unit: torch.Tensor,       # [V+1, H] fp32 unit vectors (row 0: zeros)
     num_ops: int,
 ) -> torch.Tensor:
-    """Sum of the updates of this layer's op slots, applied in order. Exactly 0 when unused."""
+    """Sum of this layer's updates for every row ([T, H]); exactly 0 for unsteered rows."""
     T = h.shape[0]
-    delta = None
+    oi = op_idx[:T]                                   # [T, K]
+    prm = op_prm[oi]                                  # [T, K, P]
+    u = unit[op_vid[oi]]                              # [T, K, H]
+    s = (h.unsqueeze(1) * u).sum(dim=-1)              # [T, K]
+    n2 = (h * h).sum(dim=-1)                          # [T]
+    betas: list[torch.Tensor] = []
     for k in range(num_ops):
-        oi = op_idx[:T, k]
-        prm = op_prm[oi]
-        vid = op_vid[oi]
-        v = vec[vid]
-        u = unit[vid]
-        x = h if delta is None else h + delta
-        p = (x * u).sum(dim=-1, keepdim=True)
-        n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        coef = prm[:, 1:2] * n + (torch.clamp(p, prm[:, 3:4], prm[:, 4:5]) - p) + prm[:, 2:3] * p
-        d = prm[:, 0:1] * v + coef * u
-        delta = d if delta is None else delta + d
-    assert delta is not None
-    return delta
+        p = s[:, k]
+        for j in range(k):
+            p = p + betas[j] * prm[:, k, GRAM + j]
+        n = torch.sqrt(torch.clamp(n2, min=0.0))
+        b = (prm[:, k, C_ADD] + prm[:, k, C_NORM] * n
+             + (torch.clamp(p, prm[:, k, LO], prm[:, k, HI]) - p) + prm[:, k, C_ABL] * p)
+        n2 = n2 + 2.0 * b * p + b * b
+        betas.append(b)
+    return (torch.stack(betas, dim=1).unsqueeze(-1) * u).sum(dim=1)
 
 
 def capture_rows(x: torch.Tensor, cap_idx: torch.Tensor, pool: torch.Tensor) -> None:

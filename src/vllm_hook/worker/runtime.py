@@ -139,21 +139,22 @@ class HookRuntime:
     def _admit_steering(self, req: HookRequest, ops) -> tuple[SteerRoute, ...]:
         K = self.bufs.shape.ops_per_layer
         params, vec_rows, cols, sels = [], [], [], []
-        slot: dict[int, int] = {}
+        earlier: dict[int, list[int]] = {}          # layer -> vector rows of its earlier ops
         try:
             for op in ops:
-                if "vec" in op:
-                    values = np.frombuffer(op["vec"], dtype=np.float32)
-                else:
-                    values = self.named[op["name"]]
+                values = np.frombuffer(op["vec"], dtype=np.float32) if "vec" in op else self.named[op["name"]]
                 row = self.tables.acquire_vector(op["digest"], values)
                 req.vec_rows.append(row)
                 vec_rows.append(row)
                 L = int(op["layer"])
-                k = slot.get(L, 0)
-                slot[L] = k + 1
-                cols.append(L * K + k)
-                params.append([float(x) for x in op["c"]])
+                prev = earlier.setdefault(L, [])
+                cols.append(L * K + len(prev))
+                c_add, c_norm, c_abl, lo, hi = (float(x) for x in op["c"])
+                u = self.tables.units[row]
+                gram = [float(np.dot(u.astype(np.float64), self.tables.units[r])) for r in prev]
+                params.append([c_add * self.tables.norms[row], c_norm, c_abl, lo, hi]
+                              + gram + [0.0] * (K - 1 - len(gram)))
+                prev.append(row)
                 sels.append((op["sel"], tuple(op["pos"])))
             req.op_rows = self.tables.acquire_ops(params, vec_rows)
         except Exception:

@@ -26,6 +26,8 @@ class DeviceTables:
         self._vec_rows: dict[str, int] = {}     # digest -> row
         self._vec_refs: dict[int, int] = {}     # row -> references
         self._vec_digest: dict[int, str] = {}
+        self.units: dict[int, np.ndarray] = {}   # row -> unit vector (host copy, for u.u)
+        self.norms: dict[int, float] = {}
 
     def acquire_vector(self, digest: str, values: np.ndarray) -> int:
         row = self._vec_rows.get(digest)
@@ -35,10 +37,11 @@ class DeviceTables:
                     f"more than {self.bufs.shape.max_vectors} distinct steering vectors are in use "
                     "at once; raise additional_config vllm_hook.max_vectors")
             row = self._free_vecs.pop()
-            v = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
-            u = v / torch.linalg.vector_norm(v).clamp_min(1e-30)
-            self.bufs.vec[row].copy_(v)
-            self.bufs.unit[row].copy_(u)
+            v = np.asarray(values, dtype=np.float64)
+            norm = float(np.linalg.norm(v))
+            u = (v / norm if norm > 0 else v).astype(np.float32)
+            self.bufs.unit[row].copy_(torch.from_numpy(u))
+            self.units[row], self.norms[row] = u, norm
             self._vec_rows[digest] = row
             self._vec_digest[row] = digest
             self._vec_refs[row] = 0
@@ -50,6 +53,7 @@ class DeviceTables:
         if self._vec_refs[row] == 0:
             del self._vec_refs[row]
             del self._vec_rows[self._vec_digest.pop(row)]
+            del self.units[row], self.norms[row]
             self._free_vecs.append(row)
 
     def acquire_ops(self, params: list[list[float]], vec_rows: list[int]) -> list[int]:
