@@ -66,12 +66,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="model path or name (default: the tiny qwen2 fixture)")
     ap.add_argument("--config", help="an attention_tracker JSON config (default: find heads first)")
-    ap.add_argument("--plot-dir", help="write PNG heatmaps (and the config) here")
+    ap.add_argument("--out-dir", help="where to write the config found (default: a temporary folder)")
+    ap.add_argument("--plot-dir", help="write PNG heatmaps here")
     args = ap.parse_args()
     llm = LLM(args.model or tiny_model("qwen2"), enforce_eager=True, dtype="float32",
               kv_cache_memory_bytes=64 << 20, max_model_len=512, seed=0)
     tok = llm.get_tokenizer()
-    config = args.config or find_heads(llm, tok, args.plot_dir or tempfile.mkdtemp(prefix="vllm_hook_"),
+    config = args.config or find_heads(llm, tok, args.out_dir or tempfile.mkdtemp(prefix="vllm_hook_"),
                                        args.plot_dir)
     print("config file:", config)
     print(open(config).read().strip())

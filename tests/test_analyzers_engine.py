@@ -136,7 +136,7 @@ def run_example(name: str, *args: str) -> tuple[str, dict]:
 
 
 def test_example_attention_tracker(tmp_path):
-    out, res = run_example("attention_tracker.py", "--plot-dir", str(tmp_path))
+    out, res = run_example("attention_tracker.py", "--out-dir", str(tmp_path), "--plot-dir", str(tmp_path))
     assert "important heads:" in out and set(res) == {"benign", "injected"}
     for v in res.values():
         assert 0 <= v["focus_score"] <= 1 and isinstance(v["injected"], bool) and v["per_head"]

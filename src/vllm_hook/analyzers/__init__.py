@@ -7,6 +7,7 @@
     verdict = tracker.analyze(vllm_hook.results(out), spans=prompt.spans)
 """
 
+from ._base import Analyzer, AnalyzerConfig
 from ._registry import available, get, register
 from .prompt import BuiltPrompt, build_prompt
 from .attention_tracker import (AttentionTracker, AttentionTrackerConfig, AttentionTrackerResult,
@@ -16,8 +17,8 @@ from .hidden_state_probe import (HiddenStateProbe, HiddenStateProbeConfig, Linea
                                  fit_probe, probe_features)
 
 __all__ = [
-    "AttentionTracker", "AttentionTrackerConfig", "AttentionTrackerResult", "BuiltPrompt", "CoreReranker",
-    "CoreRerankerConfig", "HeadSelection", "HiddenStateProbe", "HiddenStateProbeConfig", "LinearProbe",
-    "ProbeResult", "RerankPrompt", "RerankResult", "available", "build_prompt", "find_important_heads",
-    "fit_probe", "focus_map", "get", "probe_features", "register",
+    "Analyzer", "AnalyzerConfig", "AttentionTracker", "AttentionTrackerConfig", "AttentionTrackerResult",
+    "BuiltPrompt", "CoreReranker", "CoreRerankerConfig", "HeadSelection", "HiddenStateProbe",
+    "HiddenStateProbeConfig", "LinearProbe", "ProbeResult", "RerankPrompt", "RerankResult", "available",
+    "build_prompt", "find_important_heads", "fit_probe", "focus_map", "get", "probe_features", "register",
 ]
