@@ -32,7 +32,7 @@ DOCS = ["cats and dogs; document two talks about the weather", "Paris is the cap
         "One two three four five six seven", "the markets"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(engines):
     return engines.get("qwen2-compiled", arch="qwen2")
 

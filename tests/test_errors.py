@@ -33,10 +33,15 @@ def _bad_specs():
         "unknown_vector_name": ({"steer": [{"op": "add", "layer": 0, "vector": "no_such"}]}, "no registered vector"),
         "zero_vector_ablate": ({"steer": [{"op": "ablate", "layer": 0, "vector": [0.0] * H}]}, "zero norm"),
         "too_many_ops_per_layer": ({"steer": [{"op": "add", "layer": 0, "vector": GOOD}] * 3}, "max_ops_per_layer"),
+        "head_out_of_range": ({"capture": [{"site": "attn_scores", "layers": [0], "heads": [4]}]}, "head 4 is out of range"),
+        "kv_head_out_of_range": ({"capture": [{"site": "k", "heads": [2]}]}, "this layer has 2 heads"),
+        "heads_on_residual_site": ({"capture": [{"site": "resid_post", "heads": [0]}]}, "heads applies to"),
+        "heads_dict_missing_layer": ({"capture": [{"site": "q", "layers": [0, 1], "heads": {"0": [1]}}]}, "no heads listed for layer 1"),
+        "attn_scores_generated_queries": ({"capture": [{"site": "attn_scores", "tokens": "generated"}]}, "must be prompt tokens"),
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(engines):
     return engines.get("qwen2-compiled", arch="qwen2")
 

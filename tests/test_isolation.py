@@ -21,7 +21,7 @@ from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(engines):
     return engines.get("qwen2-compiled", arch="qwen2")
 

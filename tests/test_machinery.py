@@ -23,7 +23,7 @@ LONG = " ".join(PROMPTS[:6])          # ~70 tokens: several 16-token chunks
 ALL_SITES = [{"layers": "all", "site": s} for s in ("resid_post", "resid_pre", "attn_out", "mlp_out")]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm(engines):
     # Tiny token budget: every prompt is prefilled in 16-token chunks. Prefix caching on.
     return engines.get("qwen2-chunked", arch="qwen2", max_num_batched_tokens=16, max_num_seqs=8,
@@ -140,7 +140,29 @@ def test_save_writes_safetensors(llm, tmp_path):
     assert back.prompt_len == len(ids) and torch.equal(back.activations["mlp_out"][1], r.activations["mlp_out"][1])
 
 
-@pytest.fixture(scope="module")
+def test_attention_scores_under_chunked_prefill_and_cached_prefix(llm, hf):
+    """Keys come from the paged KV cache: prompts prefilled in 16-token chunks, and a prompt
+    whose prefix is cached (only its last token is computed) give HF's attention weights."""
+    ids = ids_of(llm, LONG)
+    P = len(ids)
+    spec = {"capture": [{"site": "attn_scores", "layers": "all", "tokens": "prompt"}]}
+    out = run(llm, [ids], [sp(spec, max_tokens=2)])[0]
+    _, _, att = hf_ref.attention(hf, ids + list(out.outputs[0].token_ids)[:-1])
+    r = res(out)
+    for L in range(4):
+        assert float((r.activations["attn_scores"][L] - att[L][:, :P, :P].transpose(0, 1)).abs().max()) <= 1e-4
+    run(llm, [ids], [sp(None, max_tokens=2)])                        # the prefix is cached now
+    last = run(llm, [ids], [sp({"capture": [{"site": "attn_scores", "layers": [1, 3], "heads": [2]}]},
+                              max_tokens=2)])[0]
+    assert last.num_cached_tokens > 0
+    r = res(last)
+    for L in (1, 3):
+        got = r.activations["attn_scores"][L]
+        assert got.shape == (1, 1, P) and r.heads["attn_scores"][L] == [2]
+        assert float((got[0, 0] - att[L][2, P - 1, :P]).abs().max()) <= 1e-4
+
+
+@pytest.fixture
 def small_kv(engines):
     # KV for ~512 tokens: six 100-token requests cannot all fit, so vLLM preempts.
     return engines.get("qwen2-preempt", arch="qwen2", enforce_eager=True, max_num_seqs=8,
@@ -212,3 +234,4 @@ def test_abort_leaves_nothing_behind(small_kv):
     assert (s["admitted"], s["active"], s["results_waiting"], s["retained_bytes"],
             s["vectors_in_use"], s["ops_in_use"]) == (0, 0, 0, 0, 0, 0), s
     assert not st.pending
+

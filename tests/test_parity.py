@@ -105,3 +105,34 @@ def test_capture_with_steering_sees_steered_stream(arch_llm):
     for site, L in (("resid_post", 1), ("resid_post", 2), ("resid_pre", 2)):
         assert rel_err(r.activations[site][L], ref[site][L]) <= TOL
     assert torch.equal(r.activations["resid_pre"][2], r.activations["resid_post"][1])
+
+
+def test_attention_parity_q_k_scores(arch_llm):
+    """Post-RoPE q/k and softmax attention weights equal transformers' eager attention
+    (output_attentions=True): GQA on every fixture, soft-cap and sliding window on gemma2."""
+    arch, llm = arch_llm
+    hf = hf_ref.load(tiny_model(arch))
+    ids = ids_of(llm, PROMPTS[0] + " " + PROMPTS[5])      # longer than gemma2's 16-token window
+    spec = {"capture": [{"site": "q", "layers": "all"},
+                        {"site": "k", "layers": [0, -1], "heads": [1]},
+                        {"site": "attn_scores", "layers": "all", "tokens": "prompt"},
+                        {"site": "attn_scores", "layers": [2], "heads": [3, 0], "tokens": [-1, 4]}]}
+    out = run(llm, [ids], [sp(spec, max_tokens=4)])[0]
+    r = res(out)
+    P = len(ids)
+    seq = ids + list(out.outputs[0].token_ids)[:-1]
+    q, k, att = hf_ref.attention(hf, seq)
+    for L in range(4):
+        assert r.heads["q"][L] == [0, 1, 2, 3]
+        assert rel_err(r.activations["q"][L], q[L]) <= TOL, (arch, "q", L)
+        s = r.activations["attn_scores"][L]
+        assert s.shape == (P, 4, P) and r.positions["attn_scores"][L].tolist() == list(range(P))
+        ref = att[L][:, :P, :P].transpose(0, 1)
+        assert float((s - ref).abs().max()) <= TOL, (arch, "attn_scores", L)
+        assert torch.allclose(s.sum(-1), torch.ones(P, 4), atol=1e-5)
+    for L in (0, 3):
+        assert r.heads["k"][L] == [1]
+        assert rel_err(r.activations["k"][L], k[L][:, [1]]) <= TOL
+    # Layer 2 has two items: all heads for every prompt token, and heads 0 and 3 for two
+    # tokens: results hold the union of rows and heads.
+    assert r.heads["attn_scores"][2] == [0, 1, 2, 3]

@@ -17,8 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import __version__
 
 CONFIG_KEY = "vllm_hook"
-SITES = ("resid_post", "resid_pre", "attn_out", "mlp_out")
-Site = Literal["resid_post", "resid_pre", "attn_out", "mlp_out"]
+SITES = ("resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k")
+Site = Literal["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k"]
+# Sites a request may ask for; attn_scores is computed from the captured q (needs site "q").
+SpecSite = Literal["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k", "attn_scores"]
 
 
 def disabled() -> bool:
@@ -33,8 +35,9 @@ class HookConfig(BaseModel):
 
     sites: tuple[Site, ...] = Field(
         default=SITES,
-        description="Capture sites instrumented in the model. Dropping attn_out/mlp_out saves "
-        "their (small) per-layer work; requests for an uninstrumented site are refused.",
+        description="Capture sites instrumented in the model (q/k: post-RoPE attention inputs; "
+        "attn_scores needs q). Dropping a site saves its (small) per-layer work; requests for an "
+        "uninstrumented site are refused.",
     )
     max_ops_per_layer: int = Field(
         default=2, ge=1, le=8,
@@ -47,7 +50,7 @@ class HookConfig(BaseModel):
     capture_pool_rows: int | None = Field(
         default=None, ge=1,
         description="Rows of the per-step device capture buffer (one row = one token at one "
-        "site and layer). Default: 2 x max_num_batched_tokens.",
+        "site and layer), per pool (residual, q, k). Default: max(2 x max_num_batched_tokens, 8192).",
     )
     max_inline_result_bytes: int = Field(
         default=8 << 20, ge=0,

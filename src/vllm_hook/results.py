@@ -41,6 +41,8 @@ class Results:
     index: int = 0
     model: str = ""
     path: str | None = None
+    # For q, k and attn_scores: the global head index of each entry along axis 1.
+    heads: dict[str, dict[int, list[int]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -65,6 +67,7 @@ class Results:
             "prompt_len": str(self.prompt_len),
             "sites": json.dumps({s: sorted(v) for s, v in self.activations.items()}),
             "errors": json.dumps(self.errors),
+            "heads": json.dumps(self.heads),
         }
         return tensors, meta
 
@@ -100,6 +103,8 @@ class Results:
                   token_ids=tensors.pop("token_ids").tolist(), index=int(meta.get("index", 0)),
                   model=meta.get("model", ""), errors=json.loads(meta.get("errors", "[]")),
                   path=path)
+        out.heads = {s: {int(k): v for k, v in d.items()}
+                     for s, d in json.loads(meta.get("heads", "{}")).items()}
         for name, t in tensors.items():
             if name.endswith(".positions"):
                 continue
@@ -109,21 +114,73 @@ class Results:
         return out
 
 
-def build(blob: bytes | None, items: list[dict], points: PointTable, *, request_id: str,
+def _merge(blobs: list[bytes]) -> tuple[dict, dict, list[str]]:
+    """Per-rank worker blobs -> {point: (positions, rows)} for rank 0's residual points, the
+    raw per-rank pieces of the head-sharded points, and the errors of all ranks."""
+    ranks = sorted((points_from_bytes(b) for b in blobs), key=lambda x: x[1].get("rank", 0))
+    errors = [e for _, m in ranks for e in m.get("errors", [])]
+    return ranks[0][0] if ranks else {}, ranks, errors
+
+
+def _sharded(ranks, point: int, site: str, layer: int, head_size: int):
+    """Concatenate head shards of one point across TP ranks, in global head order."""
+    pos, parts, heads = None, [], []
+    for pts, meta in ranks:
+        if point not in pts:
+            continue
+        p, rows = pts[point]
+        if site == "attn_scores":
+            hs = meta.get("attn_heads", {}).get(str(point), [])
+            parts.append(rows)
+        else:
+            hs = meta.get("q_heads" if site == "q" else "kv_heads", {}).get(str(layer), [])
+            parts.append(rows.reshape(rows.shape[0], -1, head_size))
+        heads += hs
+        pos = p
+    if pos is None:
+        return torch.zeros(0, dtype=torch.int64), None, []
+    t = torch.cat(parts, dim=1)
+    order, seen = [], set()
+    for i, h in sorted(enumerate(heads), key=lambda x: x[1]):
+        if h not in seen:                       # KV heads replicated across ranks: keep one
+            seen.add(h)
+            order.append(i)
+    return pos, t[:, order], [heads[i] for i in order]
+
+
+def build(blobs: bytes | list[bytes] | None, items: list[dict], points: PointTable, *, request_id: str,
           prompt_token_ids: list[int], output_token_ids: list[int], index: int = 0,
-          model: str = "", extra_errors: list[str] | None = None) -> Results:
-    """Assemble a request's results from the worker's per-point rows and the spec's items."""
-    pts, meta = points_from_bytes(blob) if blob else ({}, {})
+          model: str = "", extra_errors: list[str] | None = None, head_size: int = 0) -> Results:
+    """Assemble a request's results from the workers' per-point rows (one blob per TP rank
+    that captured anything) and the spec's items."""
+    if isinstance(blobs, (bytes, bytearray)):
+        blobs = [blobs]
+    pts, ranks, errors = _merge(list(blobs or []))
     P = len(prompt_token_ids)
     limit = P + max(len(output_token_ids), 1) - 1
     res = Results(request_id=request_id, prompt_len=P, index=index, model=model,
                   token_ids=list(prompt_token_ids) + list(output_token_ids),
-                  errors=list(meta.get("errors", [])) + list(extra_errors or []))
+                  errors=errors + list(extra_errors or []))
     groups: dict[tuple[str, int], list[tuple[str, list[int]]]] = {}
+    wanted_heads: dict[tuple[str, int], set[int]] = {}
     for it in items:
         groups.setdefault((it["site"], it["layer"]), []).append((it["sel"], it["pos"]))
+        if "heads" in it:
+            wanted_heads.setdefault((it["site"], it["layer"]), set()).update(it["heads"])
     for (site, layer), sels in groups.items():
-        pos, rows = pts.get(points.col(site, layer), (torch.zeros(0, dtype=torch.int64), None))
+        point = points.col(site, layer)
+        if site in ("q", "k", "attn_scores"):
+            pos, rows, heads = _sharded(ranks, point, site, layer, head_size)
+            want_h = sorted(wanted_heads.get((site, layer), ()))
+            if rows is not None:
+                idx = [heads.index(h) for h in want_h if h in heads]
+                rows, heads = rows[:, idx], [heads[i] for i in idx]
+            res.heads.setdefault(site, {})[layer] = heads
+            if set(heads) != set(want_h):
+                res.errors.append(f"{site} layer {layer}: heads {sorted(set(want_h) - set(heads))} "
+                                  "were not captured")
+        else:
+            pos, rows = pts.get(point, (torch.zeros(0, dtype=torch.int64), None))
         pos_np = pos.numpy()
         keep = pos_np < limit
         pos_np = pos_np[keep]

@@ -28,6 +28,7 @@ class CaptureRoute:
     point: int                               # capture-index column
     sels: tuple[tuple[str, tuple[int, ...]], ...]
     last_only: bool = False                  # keep only the newest rows (selector "last")
+    pool: int = 0                            # which pool (row width) the point writes into
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,14 @@ class Segment:
     pool_start: int
     positions: np.ndarray
     last_only: bool
+    pool: int = 0
+    rows: np.ndarray | None = None           # batch rows of the captured tokens
 
 
 @dataclass
 class StepRouting:
     segments: list[Segment] = field(default_factory=list)
-    pool_used: int = 0
+    pool_used: dict[int, int] = field(default_factory=dict)
     overflow: list[Any] = field(default_factory=list)
     steered_upto: int = 0     # 1 + the last row given a non-identity op
 
@@ -99,11 +102,13 @@ def route_step(
             n = int(m.sum())
             if not n:
                 continue
-            if out.pool_used + n > pool_rows:
+            used = out.pool_used.get(c.pool, 0)
+            if used + n > pool_rows:
                 if owner not in out.overflow:
                     out.overflow.append(owner)
                 continue
-            cap_idx[batch_rows[m], c.point] = out.pool_used + np.arange(n, dtype=np.int64)
-            out.segments.append(Segment(owner, c.point, out.pool_used, positions[m], c.last_only))
-            out.pool_used += n
+            cap_idx[batch_rows[m], c.point] = used + np.arange(n, dtype=np.int64)
+            out.segments.append(Segment(owner, c.point, used, positions[m], c.last_only, c.pool,
+                                        batch_rows[m]))
+            out.pool_used[c.pool] = used + n
     return out

@@ -122,3 +122,36 @@ def greedy(model, prompt: list[int], steps: int, ops: list[dict] | None = None):
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
     return ids[len(prompt):], logits
+
+
+_QK: dict = {}
+
+
+def _recording_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    import sys
+
+    _QK.setdefault("q", {})[module.layer_idx] = query[0].transpose(0, 1).clone()   # [T, H, D]
+    _QK.setdefault("k", {})[module.layer_idx] = key[0].transpose(0, 1).clone()     # [T, Hkv, D]
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+@torch.no_grad()
+def attention(model, ids: list[int]):
+    """Post-RoPE q {layer: [T, H, D]}, k {layer: [T, Hkv, D]} and eager attention weights
+    {layer: [H, T, T]} (output_attentions), fp32."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register("vh_record", _recording_attention)
+    # Same (causal, sliding-window) masks as eager attention.
+    ALL_MASK_ATTENTION_FUNCTIONS.register("vh_record", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    prev = model.config._attn_implementation
+    model.set_attn_implementation("vh_record")
+    _QK.clear()
+    try:
+        out = model(torch.tensor([ids]), output_attentions=True)
+    finally:
+        model.set_attn_implementation(prev)
+    q, k = dict(_QK["q"]), dict(_QK["k"])
+    return q, k, {i: a[0] for i, a in enumerate(out.attentions)}

@@ -26,7 +26,7 @@ def test_two_requests_chunked_and_decode():
     assert op[:, 3].tolist() == [0] * 10                  # b has no generated rows yet
     assert cap[:, 1].tolist()[:4] == [0, 999, 999, 1]       # a's row, then b's last prompt token
     assert [(s.owner, s.pool_start, s.positions.tolist()) for s in r.segments] == [("a", 0, [6]), ("b", 1, [2])]
-    assert r.pool_used == 2 and r.steered_upto == 1
+    assert r.pool_used == {0: 2} and r.steered_upto == 1
 
 
 def test_padding_rows_untouched_and_positions_selector():
@@ -44,6 +44,16 @@ def test_last_selector_and_union():
     a = RequestRoutes(3, capture=(CaptureRoute(point=2, sels=(("last", ()), ("pos", (0,)))),))
     r = route_step([("a", a, Rows(0, 3, 0))], op, cap, pool_rows=100)
     assert r.segments[0].positions.tolist() == [0, 2]
+
+
+def test_pools_are_allocated_separately():
+    op, cap = arrays(4)
+    a = RequestRoutes(4, capture=(CaptureRoute(point=0, sels=(("all", ()),)),
+                                  CaptureRoute(point=3, sels=(("all", ()),), pool=1)))
+    r = route_step([("a", a, Rows(0, 4, 0))], op, cap, pool_rows=10)
+    assert r.pool_used == {0: 4, 1: 4}
+    assert cap[:, 0].tolist() == cap[:, 3].tolist() == [0, 1, 2, 3]
+    assert [s.pool for s in r.segments] == [0, 1]
 
 
 def test_pool_overflow_is_reported_not_silent():
@@ -66,4 +76,5 @@ def test_point_table_resid_pre_aliases_previous_resid_post():
     assert t.col("resid_pre", 2) == t.col("resid_post", 1)
     assert t.col("resid_pre", 0) == 4
     assert t.n_points == 4 + 1 + 4 + 4
+    assert t.pool_of(t.col("resid_post", 0)) == 0
     assert len({t.col("attn_out", i) for i in range(4)} | {t.col("mlp_out", i) for i in range(4)}) == 8

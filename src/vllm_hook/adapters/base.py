@@ -33,10 +33,16 @@ class SchedulerEvents:
     new: tuple[NewRequest, ...] = ()
     finished: frozenset[str] = frozenset()
     resumed: frozenset[str] = frozenset()
+    # request id -> (block ids per KV cache group, whether they replace or extend the known ones)
+    blocks: Mapping[str, tuple[tuple[list[int], ...], bool]] = None  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.blocks is None:
+            object.__setattr__(self, "blocks", {})
 
     @property
     def empty(self) -> bool:
-        return not self.new and not self.finished and not self.resumed
+        return not self.new and not self.finished and not self.resumed and not self.blocks
 
 
 def wire_of(sampling_params: Any, key: str) -> dict | None:
@@ -45,3 +51,21 @@ def wire_of(sampling_params: Any, key: str) -> dict | None:
         return None
     w = extra.get(key)
     return w if isinstance(w, dict) and w.get("v") == 1 else None
+
+
+@dataclass
+class AttnLayer:
+    """What the runtime needs to recompute one layer's attention weights outside the model:
+    the parameters of its kernel, its heads on this rank, and how to read its paged keys."""
+
+    layer: int
+    num_heads: int                    # on this rank
+    num_kv_heads: int                 # on this rank
+    head_size: int
+    scale: float
+    softcap: float                    # 0: none
+    window: int | None                # sliding window (keys with q_pos - k_pos < window)
+    q_heads: list[int]                # global index of each local query head
+    kv_heads: list[int]               # global index of each local KV head
+    keys: Any                         # keys(block_ids[int64], offsets[int64]) -> [n, kv_heads, D]
+    geometry: Any                     # geometry() -> (kv cache group, block size)

@@ -58,11 +58,14 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
     cfg = HookConfig.from_vllm_config(vllm_config)
     info = ModelInfo.from_model_config(vllm_config.model_config)
     sc = vllm_config.scheduler_config
-    bufs, points = instrument(model, info, cfg, max_num_batched_tokens=sc.max_num_batched_tokens,
-                              max_num_seqs=sc.max_num_seqs, dtype=vllm_config.model_config.dtype)
+    bufs, points, attns = instrument(model, info, cfg, max_num_batched_tokens=sc.max_num_batched_tokens,
+                                     max_num_seqs=sc.max_num_seqs, dtype=vllm_config.model_config.dtype)
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    rt = HookRuntime(bufs, points, cfg, collect=get_tensor_model_parallel_rank() == 0)
+    from .attention import layer_infos
+
+    rank = get_tensor_model_parallel_rank()
+    rt = HookRuntime(bufs, points, cfg, rank=rank, attn_layers=layer_infos(attns, runner, rank, info))
     runner.__dict__[RT_ATTR] = rt
     log.info("vllm_hook: instrumented %d layers (sites %s) for vLLM %s, %s runner; device buffers "
              "%.1f MiB", info.num_layers, ",".join(cfg.sites), version, type(runner).__module__,
@@ -70,15 +73,22 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
     return rt
 
 
-def events(scheduler_output: Any) -> SchedulerEvents:
+def events(scheduler_output: Any, track_blocks: bool = False) -> SchedulerEvents:
+    """The step's lifecycle events; block ids of running requests only when `track_blocks`
+    (some request reads its KV cache), so requests without a spec cost O(1) per step."""
     new = tuple(
         NewRequest(r.req_id, wire_of(r.sampling_params, SPEC_KEY), len(r.prompt_token_ids or ()))
         for r in scheduler_output.scheduled_new_reqs
     )
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     resumed = frozenset(getattr(cached, "resumed_req_ids", None) or ())
+    blocks = {r.req_id: (tuple(r.block_ids), True) for r in scheduler_output.scheduled_new_reqs}
+    if cached is not None and track_blocks:
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+            if ids is not None:
+                blocks[rid] = (tuple(ids), rid in resumed)
     return SchedulerEvents(new=new, finished=frozenset(scheduler_output.finished_req_ids or ()),
-                           resumed=resumed)
+                           resumed=resumed, blocks=blocks)
 
 
 def worker_rpc(worker: Any, op: str, *args: Any) -> Any:

@@ -24,7 +24,7 @@ def _execute_model(orig):
     def execute_model(self, scheduler_output, *args, **kwargs):
         rt = runtime_of(self)
         if rt is not None:
-            rt.on_events(events(scheduler_output))
+            rt.on_events(events(scheduler_output, rt.tracks_blocks))
         return orig(self, scheduler_output, *args, **kwargs)
     return execute_model
 

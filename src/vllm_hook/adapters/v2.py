@@ -26,7 +26,7 @@ def _execute_model(orig):
         rt = runtime_of(self)
         if rt is None or kwargs.get("dummy_run"):
             return orig(self, scheduler_output, *args, **kwargs)
-        rt.on_events(events(scheduler_output))
+        rt.on_events(events(scheduler_output, rt.tracks_blocks))
         out = orig(self, scheduler_output, *args, **kwargs)
         rt.end_step()
         return out

@@ -1,9 +1,11 @@
-"""Moves each step's captured rows from the device pool to per-request host stores.
+"""Moves each step's captured rows from the device pools to per-request host stores.
 
-On a GPU the copy is queued on the compute stream right after the forward, into pinned host
-memory, with an event; nothing waits for it. Completed copies are handed to the stores at the
-start of a later step or when results are fetched. The next forward may overwrite the pool
-only after the copy, by stream order. On the CPU the pool already is host memory: copy now.
+On a GPU the copies are queued on the compute stream right after the forward, into pinned
+host memory, with one event; nothing waits for them. Completed copies are handed to the
+stores at the start of a later step or when results are fetched. The next forward may
+overwrite the pools only after the copies, by stream order. On the CPU the pools already are
+host memory: copy now. Besides pool rows, a step may deliver tensors computed after the
+forward (attention weights): `extras`.
 """
 
 from __future__ import annotations
@@ -19,42 +21,52 @@ Deliver = Callable[[Segment, torch.Tensor], None]
 
 
 class Collector:
-    def __init__(self, pool: torch.Tensor, deliver: Deliver):
-        self.pool = pool
+    def __init__(self, pools: list[torch.Tensor | None], deliver: Deliver):
+        self.pools = pools
         self.deliver = deliver
-        self.on_device = pool.device.type != "cpu"
-        self._pending: deque[tuple[object, torch.Tensor, list[Segment]]] = deque()
+        self.on_device = next(p for p in pools if p is not None).device.type != "cpu"
+        self._pending: deque = deque()
         self.bytes_copied = 0
 
-    def after_forward(self, routing: StepRouting) -> None:
-        n = routing.pool_used
-        if not routing.segments or n == 0:
+    def after_forward(self, routing: StepRouting, extras: list[tuple[Segment, torch.Tensor]] = ()) -> None:
+        if not routing.segments and not extras:
             return
-        self.bytes_copied += n * self.pool.shape[1] * self.pool.element_size()
+        hosts: dict[int, torch.Tensor] = {}
+        for pid, n in routing.pool_used.items():
+            if n:
+                hosts[pid] = self._to_host(self.pools[pid][:n])
+        extra_hosts = [(seg, self._to_host(t)) for seg, t in extras]
         if not self.on_device:
-            self._hand_over(self.pool[:n].clone(), routing.segments)
+            self._hand_over(hosts, routing.segments, extra_hosts)
             return
-        host = torch.empty((n, self.pool.shape[1]), dtype=self.pool.dtype, pin_memory=True)
-        host.copy_(self.pool[:n], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((event, host, routing.segments))
+        self._pending.append((event, hosts, routing.segments, extra_hosts))
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes_copied += t.numel() * t.element_size()
+        if not self.on_device:
+            return t.clone()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
 
     def drain(self, wait: bool = False) -> None:
         while self._pending:
-            event, host, segments = self._pending[0]
+            event, hosts, segments, extras = self._pending[0]
             if not wait and not event.query():
                 return
             event.synchronize()
             self._pending.popleft()
-            self._hand_over(host, segments)
+            self._hand_over(hosts, segments, extras)
 
-    def _hand_over(self, rows: torch.Tensor, segments: list[Segment]) -> None:
+    def _hand_over(self, hosts, segments: list[Segment], extras) -> None:
         for seg in segments:
-            n = len(seg.positions)
+            part = hosts[seg.pool][seg.pool_start:seg.pool_start + len(seg.positions)]
             # clone: pinned memory is scarce; keep it only while the copy is in flight
-            part = rows[seg.pool_start:seg.pool_start + n]
             self.deliver(seg, part.clone() if self.on_device else part)
+        for seg, t in extras:
+            self.deliver(seg, t)
 
     @property
     def in_flight(self) -> int:

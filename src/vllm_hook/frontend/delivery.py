@@ -12,7 +12,8 @@ RPC = "vllm_hook_call"
 
 
 def merge_ranks(replies: Sequence[Any]) -> dict[str, list[dict]]:
-    """collective_rpc returns one reply per worker; only TP rank 0 collects captures."""
+    """collective_rpc returns one reply per worker (TP rank): rank 0 has the residual stream,
+    every rank its shard of the attention heads."""
     merged: dict[str, list[dict]] = {}
     for reply in replies:
         if isinstance(reply, dict) and "error" in reply and len(reply) == 1:
@@ -33,17 +34,19 @@ def child_index(req_id: str, n: int) -> int:
 def results_for(st: FrontendState, output: Any, entries: list[dict], res) -> Results | list[Results]:
     outs = list(getattr(output, "outputs", []) or [])
     n = max(len(outs), 1)
-    by_index = {child_index(e["req_id"], n): e["blob"] for e in entries}
+    by_index: dict[int, list[bytes]] = {}
+    for e in entries:
+        by_index.setdefault(child_index(e["req_id"], n), []).append(e["blob"])
     built = []
     for i, comp in enumerate(outs or [None]):
         idx = getattr(comp, "index", i) if comp is not None else 0
-        blob = by_index.get(idx)
-        errs = [] if blob is not None or not res.items else [
+        blobs = by_index.get(idx)
+        errs = [] if blobs or not res.items else [
             "no captures arrived from the workers for this request"]
-        r = build(blob, res.items, st.points, request_id=str(output.request_id),
+        r = build(blobs, res.items, st.points, request_id=str(output.request_id),
                   prompt_token_ids=list(output.prompt_token_ids or []),
                   output_token_ids=list(comp.token_ids) if comp is not None else [],
-                  index=idx, model=st.info.name, extra_errors=errs)
+                  index=idx, model=st.info.name, extra_errors=errs, head_size=st.info.head_dim)
         if res.save_dir:
             suffix = f"_{idx}" if n > 1 else ""
             r.save(Path(res.save_dir) / f"{output.request_id}{suffix}.safetensors")

@@ -9,9 +9,10 @@ their *contents* (see `worker/runtime.py`). Layout:
                            request's earlier ops at that layer (row 0: 0, 0, 0, -inf, inf, 0..)
   op_vid  [N+1]    int64   per op: row of `unit`
   unit    [V+1, H] fp32    unit steering vectors (row 0: zeros)
-  cap_idx [T, P]   int64   per batch row and capture point: destination row in `pool`
+  cap_idx [T, P]   int64   per batch row and capture point: destination row in its pool
                            (rows >= pool_rows are trash)
-  pool    [R+64, H] model dtype  captured rows of the current step
+  pools   [R+64, W] model dtype  captured rows of the current step, one pool per row width
+                           (residual H; q and k: their per-rank widths)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import HookConfig
-from .layout import TRASH_ROWS, PointTable
+from .layout import POOL_K, POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,12 @@ class BufferShape:
     ops_per_layer: int
     pool_rows: int
     n_points: int
+    widths: tuple[int, int, int]      # row width of the residual, q and k pools (0: no pool)
 
     @classmethod
     def for_engine(cls, *, num_layers: int, hidden: int, max_num_batched_tokens: int,
-                   max_num_seqs: int, cfg: HookConfig, points: PointTable) -> "BufferShape":
+                   max_num_seqs: int, cfg: HookConfig, points: PointTable,
+                   q_width: int = 0, k_width: int = 0) -> "BufferShape":
         K = cfg.max_ops_per_layer
         return cls(
             num_layers=num_layers,
@@ -48,8 +51,9 @@ class BufferShape:
             max_ops=2 * max_num_seqs * num_layers * K,
             max_vectors=cfg.max_vectors,
             ops_per_layer=K,
-            pool_rows=cfg.capture_pool_rows or 2 * max_num_batched_tokens,
+            pool_rows=cfg.capture_pool_rows or max(2 * max_num_batched_tokens, 8192),
             n_points=points.n_points,
+            widths=(hidden, q_width if "q" in cfg.sites else 0, k_width if "k" in cfg.sites else 0),
         )
 
 
@@ -65,7 +69,9 @@ class HookBuffers:
         self.unit = torch.zeros(s.max_vectors + 1, s.hidden, dtype=torch.float32, **kw)
         self.cap_idx = torch.empty(s.max_tokens, s.n_points, dtype=torch.int64, **kw)
         self.cap_idx.copy_(self.trash_index(s.max_tokens).unsqueeze(1).expand(-1, s.n_points))
-        self.pool = torch.zeros(s.pool_rows + TRASH_ROWS, s.hidden, dtype=dtype, **kw)
+        self.pools = [torch.zeros(s.pool_rows + TRASH_ROWS, w, dtype=dtype, **kw) if w else None
+                      for w in s.widths]
+        self.pool = self.pools[POOL_RESID]
 
     def trash_index(self, n: int) -> torch.Tensor:
         return self.shape.pool_rows + torch.arange(n, device=self.device) % TRASH_ROWS
@@ -79,4 +85,5 @@ class HookBuffers:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in
-                   (self.op_idx, self.op_prm, self.op_vid, self.unit, self.cap_idx, self.pool))
+                   (self.op_idx, self.op_prm, self.op_vid, self.unit, self.cap_idx, *self.pools)
+                   if t is not None)

@@ -17,7 +17,7 @@ from torch import nn
 from ..config import HookConfig
 from ..spec.resolve import ModelInfo
 from .buffers import BufferShape, HookBuffers
-from .layout import PointTable
+from .layout import POOL_K, POOL_Q, PointTable
 from .steering import capture_rows, steer_delta
 
 _ATTN_NAMES = ("self_attn", "attn", "attention")
@@ -74,6 +74,19 @@ class _OutputCapture:
         return out
 
 
+class _QKCapture:
+    """Mixin for vLLM's Attention module: capture its (post-RoPE) query and key inputs."""
+
+    def forward(self, *args: Any, **kwargs: Any):
+        query = args[0] if args else kwargs["query"]
+        key = args[1] if len(args) > 1 else kwargs["key"]
+        if self._vh_q:
+            capture_rows(query.reshape(query.shape[0], -1), self._vh_q_idx, self._vh_pool_q)
+        if self._vh_k:
+            capture_rows(key.reshape(key.shape[0], -1), self._vh_k_idx, self._vh_pool_k)
+        return super().forward(*args, **kwargs)
+
+
 _CLASSES: dict[tuple[type, type], type] = {}
 
 
@@ -109,8 +122,17 @@ def _child(layer: nn.Module, names: tuple[str, ...], site: str) -> nn.Module:
         f"with additional_config vllm_hook.sites without {site!r}")
 
 
+def find_attention(layer: nn.Module) -> nn.Module:
+    """vLLM's Attention module of a decoder layer (the one that owns the KV cache)."""
+    for m in _child(layer, _ATTN_NAMES, "attention").modules():
+        if all(hasattr(m, a) for a in ("num_heads", "num_kv_heads", "head_size", "layer_name", "impl")):
+            return m
+    raise InstrumentError(f"vllm-hook cannot find the attention kernel module of {type(layer).__name__}; "
+                          'start the engine with additional_config vllm_hook.sites without "q" and "k"')
+
+
 def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_batched_tokens: int,
-               max_num_seqs: int, dtype: torch.dtype) -> tuple[HookBuffers, PointTable]:
+               max_num_seqs: int, dtype: torch.dtype) -> tuple[HookBuffers, PointTable, list]:
     layers = find_layers(model)
     for layer in layers:
         if type(layer).__name__ == "PPMissingLayer":
@@ -120,9 +142,14 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
         raise InstrumentError(f"found {len(layers)} decoder layers, config says {info.num_layers}")
     device = next(model.parameters()).device
     points = PointTable(info.num_layers, tuple(cfg.sites))
+    wants_qk = "q" in cfg.sites or "k" in cfg.sites
+    attns = [find_attention(layer) for layer in layers] if wants_qk else []
+    q_width = attns[0].num_heads * attns[0].head_size if attns else 0
+    k_width = attns[0].num_kv_heads * attns[0].head_size if attns else 0
     shape = BufferShape.for_engine(num_layers=info.num_layers, hidden=info.hidden_size,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   max_num_seqs=max_num_seqs, cfg=cfg, points=points)
+                                   max_num_seqs=max_num_seqs, cfg=cfg, points=points,
+                                   q_width=q_width, k_width=k_width)
     bufs = HookBuffers(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         _swap_class(layer, _LayerHook)
@@ -140,4 +167,14 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
                 _swap_class(sub, _OutputCapture)
                 _buf(sub, "pool", bufs.pool)
                 _buf(sub, "cap_idx", bufs.cap_col(points.col(site, i)))
-    return bufs, points
+        if attns:
+            attn = attns[i]
+            _swap_class(attn, _QKCapture)
+            attn._vh_q, attn._vh_k = "q" in cfg.sites, "k" in cfg.sites
+            if attn._vh_q:
+                _buf(attn, "pool_q", bufs.pools[POOL_Q])
+                _buf(attn, "q_idx", bufs.cap_col(points.col("q", i)))
+            if attn._vh_k:
+                _buf(attn, "pool_k", bufs.pools[POOL_K])
+                _buf(attn, "k_idx", bufs.cap_col(points.col("k", i)))
+    return bufs, points, attns

@@ -1,7 +1,11 @@
-"""Where each (site, layer) is physically captured: one column of the capture index per point.
+"""Where each (site, layer) is physically captured: one column of the capture index per point,
+writing into one of three pools by row width: the residual width (resid_*, attn_out, mlp_out),
+the query width (q) and the key width (k).
 
 `resid_pre` of layer L >= 1 is `resid_post` of layer L-1 (the same tensor: what layer L reads),
-so only the embedding output (resid_pre of layer 0) needs a point of its own.
+so only the embedding output (resid_pre of layer 0) needs a point of its own. `attn_scores`
+points are virtual: they have no column; the runtime computes them after the forward from
+the captured q and the paged KV cache.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TRASH_ROWS = 64  # rows nobody reads; spread so that many discarded rows do not hit one address
+POOL_RESID, POOL_Q, POOL_K = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -16,26 +21,42 @@ class PointTable:
     num_layers: int
     sites: tuple[str, ...]
     cols: dict = field(init=False)
+    pool: dict = field(init=False)
     n_points: int = field(init=False)
 
     def __post_init__(self):
-        cols: dict[tuple[str, int], int] = {("resid_post", L): L for L in range(self.num_layers)}
-        nxt = self.num_layers
-        if "resid_pre" in self.sites:
-            cols[("resid_pre", 0)] = nxt
+        L = self.num_layers
+        cols: dict[tuple[str, int], int] = {("resid_post", i): i for i in range(L)}
+        pool = {i: POOL_RESID for i in range(L)}
+        nxt = L
+
+        def add(site: str, layer: int, p: int) -> None:
+            nonlocal nxt
+            cols[(site, layer)] = nxt
+            pool[nxt] = p
             nxt += 1
-            for L in range(1, self.num_layers):
-                cols[("resid_pre", L)] = L - 1
-        for site in ("attn_out", "mlp_out"):
+
+        if "resid_pre" in self.sites:
+            add("resid_pre", 0, POOL_RESID)
+            for i in range(1, L):
+                cols[("resid_pre", i)] = i - 1
+        for site, p in (("attn_out", POOL_RESID), ("mlp_out", POOL_RESID), ("q", POOL_Q), ("k", POOL_K)):
             if site in self.sites:
-                for L in range(self.num_layers):
-                    cols[(site, L)] = nxt
-                    nxt += 1
+                for i in range(L):
+                    add(site, i, p)
+        n_points = nxt
+        if "q" in self.sites:
+            for i in range(L):
+                cols[("attn_scores", i)] = n_points + i   # virtual
         object.__setattr__(self, "cols", cols)
-        object.__setattr__(self, "n_points", nxt)
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "n_points", n_points)
 
     def col(self, site: str, layer: int) -> int:
         return self.cols[(site, layer)]
 
     def has(self, site: str, layer: int) -> bool:
         return (site, layer) in self.cols
+
+    def pool_of(self, col: int) -> int:
+        return self.pool[col]

@@ -78,6 +78,38 @@ def _selector(sel: Selector, prompt_len: int, where: str) -> tuple[str, list[int
     return "pos", sorted(set(out))
 
 
+ATTN_SITES = ("q", "k", "attn_scores")
+
+
+def _dict_layer(key, n: int, where: str) -> int:
+    try:
+        return _layer(int(key), n, where)
+    except ValueError:
+        raise SpecError(where, f"heads key {key!r} is not a layer index",
+                        'use {"<layer>": [heads]}, e.g. {"3": [0, 5]}') from None
+
+
+def _heads(spec_heads, layer: int, n_layers: int, total: int, where: str) -> list[int]:
+    if spec_heads is None or spec_heads == "all":
+        return list(range(total))
+    if isinstance(spec_heads, dict):
+        chosen = None
+        for k, v in spec_heads.items():
+            if _dict_layer(k, n_layers, where) == layer:
+                chosen = v
+        if chosen is None:
+            raise SpecError(where, f"no heads listed for layer {layer}",
+                            f'add "{layer}": [...] or drop the layer from layers')
+        spec_heads, where = chosen, f"{where}[{layer!r}]"
+    if not spec_heads:
+        raise SpecError(where, "empty head list", 'list at least one head or use "all"')
+    for h in spec_heads:
+        if not 0 <= h < total:
+            raise SpecError(where, f"head {h} is out of range: this layer has {total} heads",
+                            f"use heads 0..{total - 1}")
+    return sorted(set(spec_heads))
+
+
 def _layer(layer: int, n: int, where: str) -> int:
     if not -n <= layer < n:
         raise SpecError(where, f"layer {layer} is out of range for a {n}-layer model",
@@ -99,20 +131,38 @@ def resolve(
     wire_cap, items = [], []
     for i, item in enumerate(spec.capture):
         where = f"capture[{i}]"
-        if item.site not in config.sites:
-            raise SpecError(f"{where}.site", f"site {item.site!r} is not instrumented in this engine",
-                            f"start the engine with additional_config vllm_hook.sites including {item.site!r}")
-        layers = list(range(n)) if item.layers == "all" else item.layers
+        site = item.site
+        needs = "q" if site == "attn_scores" else site
+        if needs not in config.sites:
+            raise SpecError(f"{where}.site", f"site {site!r} needs {needs!r}, which is not instrumented "
+                            "in this engine", f"start the engine with additional_config "
+                            f"vllm_hook.sites including {needs!r}")
+        if item.heads is not None and site not in ATTN_SITES:
+            raise SpecError(f"{where}.heads", f"heads applies to q, k and attn_scores, not {site!r}",
+                            "remove heads")
+        layers = item.layers
+        if isinstance(item.heads, dict) and layers == "all":
+            layers = [_dict_layer(k, n, f"{where}.heads") for k in item.heads]
+        layers = list(range(n)) if layers == "all" else layers
         if not layers:
             raise SpecError(f"{where}.layers", "empty layer list", 'list at least one layer or use "all"')
-        sel, pos = _selector(item.tokens, prompt_len, f"{where}.tokens")
+        tokens = item.tokens if item.tokens is not None else ("last_prompt" if site == "attn_scores" else "all")
+        sel, pos = _selector(tokens, prompt_len, f"{where}.tokens")
         if max_model_len and pos and pos[-1] >= max_model_len:
             raise SpecError(f"{where}.tokens", f"position {pos[-1]} is beyond max_model_len={max_model_len}",
                             "use positions inside the sequence")
+        if site == "attn_scores" and (sel not in ("last_prompt", "prompt", "pos")
+                                      or (pos and pos[-1] >= prompt_len)):
+            raise SpecError(f"{where}.tokens", "attn_scores query tokens must be prompt tokens",
+                            'use "last_prompt", "prompt" or prompt positions')
         for j, layer in enumerate(layers):
             L = _layer(layer, n, f"{where}.layers[{j}]" if item.layers != "all" else f"{where}.layers")
-            wire_cap.append({"site": item.site, "layer": L, "sel": sel, "pos": pos})
-            items.append({"site": item.site, "layer": L, "sel": sel, "pos": pos})
+            entry = {"site": site, "layer": L, "sel": sel, "pos": pos}
+            if site in ATTN_SITES:
+                total = model.num_kv_heads if site == "k" else model.num_heads
+                entry["heads"] = _heads(item.heads, L, n, total, f"{where}.heads")
+            wire_cap.append(entry)
+            items.append(dict(entry))
     dedup = {json.dumps(c, sort_keys=True): c for c in wire_cap}
     wire_cap = list(dedup.values())
 

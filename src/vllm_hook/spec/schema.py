@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..config import Site
+from ..config import SpecSite
 from .errors import SpecError
 
 SPEC_KEY = "vllm_hook"
@@ -18,6 +18,7 @@ SPEC_KEY = "vllm_hook"
 SelectorName = Literal["all", "prompt", "generated", "last_prompt", "last"]
 Selector = Union[SelectorName, list[int]]
 Layers = Union[Literal["all"], list[int], int]
+Heads = Union[Literal["all"], list[int], dict[str, list[int]]]
 
 
 class _Model(BaseModel):
@@ -25,11 +26,14 @@ class _Model(BaseModel):
 
 
 class CaptureItem(_Model):
-    """Copy the residual stream (or a sublayer output) at `site` of `layers` for `tokens`."""
+    """Copy the residual stream, a sublayer output or attention internals at `site` of
+    `layers` for `tokens` (default "all"; for attn_scores: the query tokens, default
+    "last_prompt"). `heads` selects attention heads for q, k and attn_scores."""
 
     layers: Layers = "all"
-    site: Site = "resid_post"
-    tokens: Selector = "all"
+    site: SpecSite = "resid_post"
+    tokens: Selector | None = None
+    heads: Heads | None = None
 
     @field_validator("layers")
     @classmethod
@@ -111,10 +115,12 @@ def _first_error(err: ValidationError) -> SpecError:
     elif etype == "union_tag_invalid" or etype == "union_tag_not_found":
         fix = 'use "op": "add", "cap" or "ablate"'
     elif etype == "literal_error" and "site" in str(e["loc"]):
-        fix = 'use one of "resid_post", "resid_pre", "attn_out", "mlp_out"'
+        fix = 'use one of "resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k", "attn_scores"'
     elif "tokens" in str(e["loc"]):
         fix = ('use "all", "prompt", "generated", "last_prompt", "last" or a list of '
                "token positions (negative counts from the end of the prompt)")
+    elif "heads" in str(e["loc"]):
+        fix = 'use a list of head indices, "all", or {"<layer>": [heads]}'
     elif "layers" in str(e["loc"]) or "layer" in str(e["loc"]):
         fix = 'use a layer index (negative counts from the last layer), a list, or "all"'
     else:

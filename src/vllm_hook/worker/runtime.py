@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..adapters.base import SchedulerEvents, StepView
+from ..adapters.base import AttnLayer, SchedulerEvents, StepView
 from ..config import HookConfig
 from ..delivery.collector import Collector
 from ..delivery.store import RequestStore
 from ..model.buffers import HookBuffers
-from ..model.layout import TRASH_ROWS, PointTable
+from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, route_step
+from .attention_jobs import AttnJob, scores_for_step
 from .tables import DeviceTables, TableFull
 
 log = logging.getLogger("vllm_hook")
@@ -39,6 +40,9 @@ class HookRequest:
     errors: list[str] = field(default_factory=list)
     finished_at: float | None = None
     fetched: bool = False
+    attn_jobs: dict[int, list[AttnJob]] = field(default_factory=dict)   # q point -> jobs
+    attn_heads: dict[int, list[int]] = field(default_factory=dict)      # out point -> heads
+    blocks: dict[int, list[int]] = field(default_factory=dict)          # kv group -> block ids
 
 
 class _Staging:
@@ -77,17 +81,22 @@ class _Staging:
 
 
 class HookRuntime:
-    def __init__(self, bufs: HookBuffers, points: PointTable, cfg: HookConfig, collect: bool):
+    def __init__(self, bufs: HookBuffers, points: PointTable, cfg: HookConfig, rank: int = 0,
+                 attn_layers: list[AttnLayer] | None = None):
         self.bufs, self.points, self.cfg = bufs, points, cfg
-        self.collect = collect            # False on TP ranks other than 0: steer, do not copy
+        # The residual stream is identical on every TP rank: rank 0 captures it. Attention
+        # heads are sharded: every rank captures its own.
+        self.rank = rank
+        self.attn_layers = attn_layers or []
         self.tables = DeviceTables(bufs)
         self.staging = _Staging(bufs)
-        self.collector = Collector(bufs.pool, self._deliver)
+        self.collector = Collector(bufs.pools, self._deliver)
         self.requests: dict[str, HookRequest] = {}     # admitted, not yet finished
         self.active: dict[str, HookRequest] = {}       # may still be routed
         self.done: dict[str, HookRequest] = {}         # finished, results waiting for a fetch
         self.named: dict[str, np.ndarray] = {}
         self._steer_dirty = 0
+        self._attn_reqs = 0
         self._step: StepRouting | None = None
         self._trash = (bufs.shape.pool_rows + np.arange(bufs.shape.max_tokens) % TRASH_ROWS)
         self.steps_routed = 0
@@ -107,6 +116,14 @@ class HookRuntime:
             for rid in ev.resumed:
                 if rid in self.requests:
                     self._reactivate(rid)
+            for rid, (groups, replace) in ev.blocks.items():
+                req = self.requests.get(rid)
+                if req is not None and req.attn_jobs:
+                    for g, ids in enumerate(groups):
+                        if replace or g not in req.blocks:
+                            req.blocks[g] = list(ids)
+                        else:
+                            req.blocks[g].extend(ids)
             self._expire()
         except Exception as e:  # never take the engine down
             log.exception("vllm_hook: request bookkeeping failed")
@@ -126,12 +143,26 @@ class HookRuntime:
             log.error("vllm_hook: request %s: %s", req_id, req.errors[-1])
             steer = ()
         caps: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+        attn: dict[int, tuple[set, list]] = {}            # layer -> (heads, selectors)
         for c in wire.get("cap", ()):
-            caps.setdefault(self.points.col(c["site"], int(c["layer"])), []).append(
-                (c["sel"], tuple(c["pos"])))
-        capture = tuple(CaptureRoute(p, tuple(dict.fromkeys(s)), all(x[0] == "last" for x in s))
-                        for p, s in caps.items()) if self.collect else ()
+            site, L, sel = c["site"], int(c["layer"]), (c["sel"], tuple(c["pos"]))
+            if site == "attn_scores":
+                heads, sels = attn.setdefault(L, (set(), []))
+                heads.update(c["heads"])
+                sels.append(sel)
+                caps.setdefault(self.points.col("q", L), []).append(sel)
+                continue
+            point = self.points.col(site, L)
+            if self.rank == 0 or self.points.pool_of(point) != POOL_RESID:
+                caps.setdefault(point, []).append(sel)
+        capture = tuple(CaptureRoute(p, tuple(dict.fromkeys(s)), all(x[0] == "last" for x in s),
+                                     self.points.pool_of(p)) for p, s in caps.items())
+        for L, (heads, sels) in attn.items():
+            q_point = self.points.col("q", L)
+            req.attn_jobs[q_point] = [AttnJob(L, q_point, self.points.col("attn_scores", L),
+                                              tuple(sorted(heads)), tuple(dict.fromkeys(sels)))]
         req.routes = RequestRoutes(P, steer, capture)
+        self._attn_reqs += bool(req.attn_jobs)
         req.horizon = req.routes.horizon
         if req.routes.steer or req.routes.capture:
             self.active[req_id] = req
@@ -181,6 +212,7 @@ class HookRuntime:
         if req is None:
             return
         self._release_tables(req)
+        self._attn_reqs -= bool(req.attn_jobs)
         req.finished_at = time.monotonic()
         if not req.fetched and (req.routes.capture or req.errors):
             self.done[req_id] = req
@@ -190,6 +222,10 @@ class HookRuntime:
         ttl = self.cfg.result_ttl_s
         for rid in [r for r, q in self.done.items() if now - (q.finished_at or now) > ttl]:
             del self.done[rid]
+
+    @property
+    def tracks_blocks(self) -> bool:
+        return self._attn_reqs > 0
 
     # ---- per step --------------------------------------------------------------------------
     def wants_step(self) -> bool:
@@ -209,8 +245,7 @@ class HookRuntime:
             self._reset_steering(view.num_tokens_padded)
 
     def _route(self, view: StepView) -> None:
-        if self.collect:
-            self.collector.drain()
+        self.collector.drain()
         T_pad = view.num_tokens_padded
         if T_pad > self.bufs.shape.max_tokens:
             raise RuntimeError(f"step has {T_pad} rows, buffers hold {self.bufs.shape.max_tokens}")
@@ -237,10 +272,11 @@ class HookRuntime:
         self.staging.commit(op_n, T_pad if routing.segments else 0)
         self._steer_dirty = routing.steered_upto
         for req in routing.overflow:
-            req.errors.append(
-                f"capture incomplete: one step needed more than capture_pool_rows="
-                f"{self.bufs.shape.pool_rows} rows; raise additional_config "
-                "vllm_hook.capture_pool_rows or lower max_num_batched_tokens")
+            msg = (f"capture incomplete: one step needed more than capture_pool_rows="
+                   f"{self.bufs.shape.pool_rows} rows; raise additional_config "
+                   "vllm_hook.capture_pool_rows or lower max_num_batched_tokens")
+            if msg not in req.errors:
+                req.errors.append(msg)
         for rid in finished_routing:
             self.active.pop(rid, None)
         self._step = routing
@@ -253,12 +289,15 @@ class HookRuntime:
         self._steer_dirty = 0
 
     def end_step(self) -> None:
-        """After the forward was queued: queue the copy of its captured rows."""
+        """After the forward was queued: compute attention weights where asked, queue copies."""
         step, self._step = self._step, None
-        if step is None or not self.collect:
+        if step is None:
             return
         try:
-            self.collector.after_forward(step)
+            extras = []
+            if any(seg.owner.attn_jobs for seg in step.segments):
+                extras = scores_for_step(step, self.bufs.pools[POOL_Q], self.attn_layers)
+            self.collector.after_forward(step, extras)
         except Exception as e:
             log.exception("vllm_hook: capture copy failed")
             for seg in step.segments:
@@ -272,15 +311,17 @@ class HookRuntime:
     # ---- RPC -------------------------------------------------------------------------------
     def fetch(self, keys: list[str], drop: bool = True) -> dict[str, list[dict]]:
         """Results of every request (n>1: every child) with one of `keys`, as safetensors bytes."""
-        if self.collect:
-            self.collector.drain(wait=True)
+        self.collector.drain(wait=True)
         wanted = set(keys)
         out: dict[str, list[dict]] = {k: [] for k in keys}
         for pool in (self.done, self.requests):
             for rid, req in list(pool.items()):
                 if req.key not in wanted or req.fetched:
                     continue
-                meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors}
+                meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors,
+                        "rank": self.rank, "attn_heads": {str(k): v for k, v in req.attn_heads.items()},
+                        "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
+                        "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
                 out[req.key].append({"req_id": rid, "blob": req.store.to_bytes(meta)})
                 if drop:
                     req.fetched = True

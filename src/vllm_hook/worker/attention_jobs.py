@@ -1,0 +1,55 @@
+"""attn_scores: after the forward, from the query rows the model captured in-graph and the
+keys in the paged KV cache (so chunked prefill and cached prefixes need no recompute)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..adapters.base import AttnLayer
+from ..model.attention import attention_scores
+from ..routing import Segment, StepRouting
+from ..spec.resolve import selected_mask
+
+
+@dataclass(frozen=True)
+class AttnJob:
+    layer: int
+    q_point: int            # capture point of the layer's query rows
+    out_point: int          # virtual point the weights are stored under
+    heads: tuple[int, ...]  # global query heads (union of the request's items at this layer)
+    sels: tuple[tuple[str, tuple[int, ...]], ...]   # query-token selectors (union)
+
+
+def scores_for_step(routing: StepRouting, q_pool: torch.Tensor, layers: list[AttnLayer]
+                    ) -> list[tuple[Segment, torch.Tensor]]:
+    out = []
+    for seg in routing.segments:
+        req = seg.owner
+        for job in req.attn_jobs.get(seg.point, ()):
+            m = np.zeros(len(seg.positions), dtype=bool)
+            for sel, pos in job.sels:
+                m |= selected_mask(sel, pos, seg.positions, req.prompt_len)
+            if not m.any():
+                continue
+            info = layers[job.layer]
+            local = [info.q_heads.index(h) for h in job.heads if h in info.q_heads]
+            if not local:
+                continue
+            rows = torch.as_tensor(seg.pool_start + np.nonzero(m)[0], device=q_pool.device)
+            q = q_pool[rows].view(len(rows), info.num_heads, info.head_size)[:, local]
+            qpos = seg.positions[m]
+            group, block_size = info.geometry()
+            K = int(qpos.max()) + 1
+            pos = torch.arange(K, device=q_pool.device)
+            blocks = torch.as_tensor(req.blocks[group], dtype=torch.int64, device=q_pool.device)
+            keys = info.keys(blocks[pos // block_size], pos % block_size)
+            per_kv = info.num_heads // info.num_kv_heads
+            kv_of_head = torch.as_tensor([h // per_kv for h in local], device=q_pool.device)
+            w = attention_scores(q, keys, kv_of_head, torch.as_tensor(qpos, device=q_pool.device),
+                                 info.scale, info.softcap, info.window, req.prompt_len)
+            req.attn_heads[job.out_point] = [info.q_heads[h] for h in local]
+            out.append((Segment(req, job.out_point, 0, qpos, False), w))
+    return out
