@@ -50,7 +50,7 @@ def main() -> None:
         n, plen, gen = cmd["n"], cmd["prompt_len"], cmd["max_tokens"]
         ps = prompts(n, plen, vocab, cmd.get("seed", 0))
         specs = cmd.get("specs") or [None] * n
-        sps = [SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True,
+        sps = [SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True, logprobs=cmd.get("logprobs"),
                               extra_args={"vllm_hook": s} if (s and hook) else None) for s in specs]
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         t = time.perf_counter()
@@ -82,6 +82,9 @@ def main() -> None:
                 res = []
                 for o in outs:
                     item = {"tokens": list(o.outputs[0].token_ids)}
+                    lps = o.outputs[0].logprobs
+                    if lps:
+                        item["first_logprobs"] = {str(t): v.logprob for t, v in lps[0].items()}
                     if hook and hasattr(o, "vllm_hook"):
                         r = hook.results(o)
                         path = os.path.join(cmd["save_dir"], f"{cmd['tag']}_{o.request_id}.safetensors")

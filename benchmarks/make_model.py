@@ -14,6 +14,12 @@ SHAPES = {
     "qwen2-1.5b": dict(arch="Qwen2ForCausalLM", model_type="qwen2", hidden_size=1536, intermediate_size=8960,
                        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                        vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
+    # The same with a 512-token vocabulary and the tiny fixture tokenizer: for end-to-end checks
+    # that send text (served mode); random ids of a 152k vocabulary would not detokenize.
+    "qwen2-1.5b-v512": dict(arch="Qwen2ForCausalLM", model_type="qwen2", hidden_size=1536,
+                            intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                            num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
+                            rope_theta=1000000.0),
     # Llama-3-8B: 32 layers, hidden 4096, 32 heads / 8 KV heads, MLP 14336.
     "llama-8b": dict(arch="LlamaForCausalLM", model_type="llama", hidden_size=4096, intermediate_size=14336,
                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -41,6 +47,10 @@ def build(shape: str, root: str) -> str:
     model.config.torch_dtype = torch.bfloat16
     model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    if cfg.vocab_size <= 512:
+        from vllm_hook.testing.tiny_models import build_tokenizer
+
+        build_tokenizer(out)
     (out / ".complete").write_text("ok")
     del model
     return str(out)

@@ -116,6 +116,8 @@ def workloads(L: int) -> dict:
         "capture_all_tokens_4_layers": lambda i: cap4,
         "capture_all_tokens_all_layers": lambda i: {"capture": [{"layers": "all", "tokens": "all"}]},
         "mixed_thirds": lambda i: [steer1, cap4, None][i % 3],
+        "attention_tracker_4_layers": lambda i: {"capture": [{"site": "attn_scores", "layers": four,
+                                                              "tokens": "last_prompt"}]},
     }
 
 
@@ -155,14 +157,16 @@ def bench(native: Worker, plugin: Worker, L: int, args) -> dict:
                                    "plugin_s": median(tp["times"]), "capture_bytes": tp["capture_bytes"]})
             print(f"  prefill {plen:4d} {name:32s} native {1e3 * median(tn['times']):7.2f} ms  plugin "
                   f"{1e3 * median(tp['times']):7.2f} ms", flush=True)
-    for gen in (1, 16):
-        spec = wl["capture_all_tokens_all_layers"](0)
+    for gen, name in ((1, "capture_all_tokens_all_layers"), (16, "capture_all_tokens_all_layers"),
+                      (1, "attention_tracker_4_layers")):
+        spec = wl[name](0)
         tn = native.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "reps": args.reps + 2})
         tp = plugin.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "specs": [spec],
                           "reps": args.reps + 2})
-        out["capture_e2e"].append({"prompt_len": 512, "max_tokens": gen, "native_s": median(tn["times"]),
+        out["capture_e2e"].append({"workload": name, "prompt_len": 512, "max_tokens": gen,
+                                   "native_s": median(tn["times"]),
                                    "plugin_s": median(tp["times"]), "capture_bytes": tp["capture_bytes"]})
-        print(f"  capture e2e 512 tok, {gen} gen: native {1e3 * median(tn['times']):.1f} ms, plugin "
+        print(f"  e2e {name} 512 tok, {gen} gen: native {1e3 * median(tn['times']):.1f} ms, plugin "
               f"{1e3 * median(tp['times']):.1f} ms, {tp['capture_bytes'] / 2**20:.1f} MiB", flush=True)
     out["plugin_stats"] = plugin.call({"op": "stats"})["stats"]
     return out
@@ -170,10 +174,14 @@ def bench(native: Worker, plugin: Worker, L: int, args) -> dict:
 
 # --------------------------------------------------------------------------------------------
 def check(engines: dict[str, Worker], L: int, args) -> dict:
-    """Graphs vs eager: tokens and captures agree; unsteered equals native; steering changes."""
+    """Graphs vs eager, plugin vs native, on one batch. bf16 on a random-weight model is
+    chaotic (greedy tokens of native graphs and native eager drift apart too), so besides
+    tokens it compares what does not compound: the first step's logprobs and prompt-row
+    captures, each against the native graph-vs-eager noise floor."""
     import torch
     from safetensors.torch import load_file
 
+    four = [L // 7, (2 * L) // 7 + 1, (4 * L) // 7, L - 2]
     specs = [
         None,
         {"steer": [{"op": "add", "layer": L // 3, "vector": "bench_a", "scale": 1.0, "norm_match": True}]},
@@ -183,38 +191,66 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
         {"steer": [{"op": "add", "layer": 2, "vector": "bench_a", "scale": 2.0, "norm_match": True}],
          "capture": [{"layers": [2, L // 2], "tokens": "all"}]},
         None,
+        {"capture": [{"site": "attn_scores", "layers": four, "tokens": "prompt"},
+                     {"site": "q", "layers": [0], "tokens": "last_prompt"}]},
     ]
+    P = 64
     save = tempfile.mkdtemp(prefix="vh_check_")
     res = {}
     for name, w in engines.items():
-        res[name] = w.call({"op": "outputs", "n": len(specs), "prompt_len": 64, "max_tokens": 24,
-                            "specs": specs, "save_dir": save, "tag": name})["outputs"]
+        res[name] = w.call({"op": "outputs", "n": len(specs), "prompt_len": P, "max_tokens": 24,
+                            "specs": specs, "save_dir": save, "tag": name, "logprobs": 5})["outputs"]
     tok = {k: [o["tokens"] for o in v] for k, v in res.items()}
-    report = {"specs": [json.dumps(s)[:120] if s else None for s in specs], "tokens": tok, "checks": {}}
-    c = report["checks"]
-    c["native_graph_vs_native_eager_token_agreement"] = _agree(tok["native_graph"], tok["native_eager"])
-    c["unhooked_requests_equal_native_graph"] = all(
-        tok["plugin_graph"][i] == tok["native_graph"][i] for i in (0, 3, 5))
-    c["unhooked_requests_equal_native_eager"] = all(
-        tok["plugin_eager"][i] == tok["native_eager"][i] for i in (0, 3, 5))
-    c["steered_tokens_graph_equal_eager"] = all(tok["plugin_graph"][i] == tok["plugin_eager"][i] for i in (1, 2, 4))
-    c["steered_token_agreement_graph_vs_eager"] = _agree([tok["plugin_graph"][i] for i in (1, 2, 4)],
-                                                          [tok["plugin_eager"][i] for i in (1, 2, 4)])
-    c["steering_changed_tokens"] = [tok["plugin_graph"][i] != tok["native_graph"][i] for i in (1, 2, 4)]
-    errs = {}
-    for i in (3, 4):
+
+    def lp_diff(a, b, idx):   # max |logprob| difference of b's top token, over requests idx
+        out = 0.0
+        for i in idx:
+            la, lb = res[a][i]["first_logprobs"], res[b][i]["first_logprobs"]
+            top = max(lb, key=lb.get)
+            out = max(out, abs(la.get(top, float("-inf")) - lb[top]))
+        return out
+
+    def cap_err(i, keys_filter):
         g, e = load_file(res["plugin_graph"][i]["saved"]), load_file(res["plugin_eager"][i]["saved"])
+        errs = {}
         for k in g:
-            if k.endswith(".positions") or k == "token_ids":
+            if k.endswith(".positions") or k == "token_ids" or not keys_filter(k):
                 continue
-            n = min(g[k].shape[0], e[k].shape[0])   # eager and graph may generate different tokens
-            if k.endswith(f".{L - 1}") and i == 3 or n == 0:
-                n = min(n, 1)
-            d = (g[k][:n].float() - e[k][:n].float()).abs().max() / e[k][:n].float().abs().max()
-            errs[f"req{i}.{k}"] = float(d)
-    c["capture_rel_err_graph_vs_eager_max"] = max(errs.values())
-    report["capture_rel_err"] = errs
-    return report
+            pos = g[k + ".positions"]
+            keep = pos < P                      # prompt rows: same inputs in both modes
+            a, b = g[k][keep].float(), e[k][e[k + ".positions"] < P].float()
+            errs[k] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if "attn" not in k \
+                else float((a - b).abs().max())
+        return errs
+
+    unhooked, steered = (0, 3, 5, 6), (1, 2, 4)
+    c = {
+        "noise_floor_native_graph_vs_eager": {
+            "token_agreement": _agree(tok["native_graph"], tok["native_eager"]),
+            "first_step_logprob_diff": lp_diff("native_eager", "native_graph", unhooked + steered)},
+        "unhooked_plugin_vs_native_graph": {
+            "token_agreement": _agree([tok["plugin_graph"][i] for i in unhooked], [tok["native_graph"][i] for i in unhooked]),
+            "first_step_logprob_diff": lp_diff("plugin_graph", "native_graph", unhooked)},
+        "unhooked_plugin_vs_native_eager": {
+            "token_agreement": _agree([tok["plugin_eager"][i] for i in unhooked], [tok["native_eager"][i] for i in unhooked]),
+            "first_step_logprob_diff": lp_diff("plugin_eager", "native_eager", unhooked)},
+        "steered_graph_vs_eager": {
+            "token_agreement": _agree([tok["plugin_graph"][i] for i in steered], [tok["plugin_eager"][i] for i in steered]),
+            "first_step_logprob_diff": lp_diff("plugin_eager", "plugin_graph", steered)},
+        "steering_effect_vs_native_graph": {
+            "first_step_logprob_diff": lp_diff("plugin_graph", "native_graph", steered),
+            "tokens_changed": [tok["plugin_graph"][i] != tok["native_graph"][i] for i in steered]},
+    }
+    caps = {**{f"req3.{k}": v for k, v in cap_err(3, lambda k: True).items()},
+            **{f"req4.{k}": v for k, v in cap_err(4, lambda k: True).items()}}
+    attn = {f"req6.{k}": v for k, v in cap_err(6, lambda k: k.startswith("attn_scores")).items()}
+    qerr = {f"req6.{k}": v for k, v in cap_err(6, lambda k: k.startswith("q.")).items()}
+    c["prompt_capture_rel_err_graph_vs_eager_max"] = max(caps.values())
+    c["steered_prompt_capture_rel_err_graph_vs_eager_max"] = max(v for k, v in caps.items() if k.startswith("req4"))
+    c["attn_scores_abs_err_graph_vs_eager_max"] = max(attn.values())
+    c["q_rel_err_graph_vs_eager"] = max(qerr.values())
+    return {"specs": [json.dumps(s)[:160] if s else None for s in specs], "tokens": tok, "checks": c,
+            "capture_err": {**caps, **attn, **qerr}}
 
 
 def _agree(a, b) -> float:
