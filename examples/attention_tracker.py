@@ -70,7 +70,9 @@ def main() -> None:
     ap.add_argument("--plot-dir", help="write PNG heatmaps here")
     args = ap.parse_args()
     llm = LLM(args.model or tiny_model("qwen2"), enforce_eager=True, dtype="float32",
-              kv_cache_memory_bytes=64 << 20, max_model_len=512, seed=0)
+              kv_cache_memory_bytes=64 << 20, max_model_len=512, seed=0,
+              # attn_scores are computed from the captured queries: the engine must instrument q.
+              additional_config={"vllm_hook": {"sites": ["resid_post", "resid_pre", "q"]}})
     tok = llm.get_tokenizer()
     config = args.config or find_heads(llm, tok, args.out_dir or tempfile.mkdtemp(prefix="vllm_hook_"),
                                        args.plot_dir)
@@ -79,7 +81,9 @@ def main() -> None:
 
     tracker = analyzers.get("attention_tracker").from_file(config)
     prompts = {name: tracker.prompt(tok, data) for name, data in TESTS.items()}
-    results = generate(llm, list(prompts.values()), [tracker.capture_spec()] * len(prompts))
+    # Only the important heads are needed; a plot shows every head, so capture them all then.
+    spec = tracker.capture_spec(all_heads=bool(args.plot_dir))
+    results = generate(llm, list(prompts.values()), [spec] * len(prompts))
     summary = {}
     for (name, p), r in zip(prompts.items(), results):
         v = tracker.analyze(r, spans=p.spans)

@@ -36,7 +36,9 @@ def main() -> None:
     ap.add_argument("--plot-dir", help="write a PNG heatmap here")
     args = ap.parse_args()
     llm = LLM(args.model or tiny_model("qwen2"), enforce_eager=True, dtype="float32",
-              kv_cache_memory_bytes=64 << 20, max_model_len=512, seed=0)
+              kv_cache_memory_bytes=64 << 20, max_model_len=512, seed=0,
+              # attn_scores are computed from the captured queries: the engine must instrument q.
+              additional_config={"vllm_hook": {"sites": ["resid_post", "resid_pre", "q"]}})
     tok = llm.get_tokenizer()
 
     rr = analyzers.get("core_reranker")(args.config)

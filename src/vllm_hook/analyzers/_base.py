@@ -223,7 +223,9 @@ class Analyzer:
     def save_config(self, path: str | os.PathLike) -> str:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         data = self.config.model_dump(mode="json", exclude_none=True)
-        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+        # One field per line, values compact (a head table stays readable).
+        body = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in data.items())
+        Path(path).write_text("{\n" + body + "\n}\n")
         return str(path)
 
     def analyze(self, results, *args, **kwargs):  # pragma: no cover - abstract

@@ -29,15 +29,15 @@ def _heatmap(ax, fig, values: np.ndarray, cmap: str, label: str, **kw):
     return im
 
 
-def _annotate(ax, values: np.ndarray, fmt: str = "{:.2f}"):
+def _annotate(ax, im, values: np.ndarray, fmt: str = "{:.2f}"):
     if values.size > 400:  # unreadable beyond this
         return
-    finite = values[np.isfinite(values)]
-    mid = (finite.min() + finite.max()) / 2 if finite.size else 0
     for (i, j), v in np.ndenumerate(values):
         if np.isfinite(v):
+            r, g, b, _ = im.cmap(im.norm(v))
+            dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5  # text colour readable on the cell
             ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=7,
-                    color="white" if v < mid else "black")
+                    color="white" if dark else "black")
 
 
 def _outline(ax, cells: Sequence[tuple[int, int]], color: str = "red"):
@@ -59,8 +59,8 @@ def plot_attention_tracker(result, path: str | os.PathLike, title: str | None = 
     v = result.focus_map
     fig = _figure(1.2 + 0.55 * v.shape[1], 1.2 + 0.45 * v.shape[0])
     ax = fig.add_subplot()
-    _heatmap(ax, fig, v, "viridis", "focus on instruction", vmin=0, vmax=1)
-    _annotate(ax, v)
+    im = _heatmap(ax, fig, v, "viridis", "focus on instruction", vmin=0, vmax=1)
+    _annotate(ax, im, v)
     _outline(ax, [(h.layer, h.head) for h in result.per_head])
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
@@ -78,8 +78,8 @@ def plot_head_selection(selection, path: str | os.PathLike, title: str | None = 
     fig = _figure(1.2 + 0.55 * v.shape[1], 1.2 + 0.45 * v.shape[0])
     ax = fig.add_subplot()
     lim = float(np.nanmax(np.abs(v))) or 1.0
-    _heatmap(ax, fig, v, "RdBu", "selection score", vmin=-lim, vmax=lim)
-    _annotate(ax, v)
+    im = _heatmap(ax, fig, v, "RdBu", "selection score", vmin=-lim, vmax=lim)
+    _annotate(ax, im, v)
     _outline(ax, [(L, h) for L, hs in selection.heads.items() for h in hs], color="black")
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
@@ -129,8 +129,8 @@ def plot_hidden_state_probe(result, path: str | os.PathLike, token_labels: Seque
     n, C = p.shape
     fig = _figure(2.2 + 0.6 * C, 1.2 + 0.28 * n)
     ax = fig.add_subplot()
-    _heatmap(ax, fig, p, "magma", "probability", vmin=0, vmax=1)
-    _annotate(ax, p)
+    im = _heatmap(ax, fig, p, "magma", "probability", vmin=0, vmax=1)
+    _annotate(ax, im, p)
     rows = list(token_labels) if token_labels else [str(x) for x in result.positions.tolist()]
     ax.set_yticks(range(n))
     ax.set_yticklabels(rows, fontsize=7)
