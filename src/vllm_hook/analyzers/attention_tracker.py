@@ -11,8 +11,8 @@ I the instruction span and D the data span:
     FS       = mean_{(l,h) in H} a_{l,h}                     (focus score, eps = 1e-8)
     injected = FS <= threshold
 
-This is the normalised variant ("normalize_sum") of the authors' code, which the paper's
-important heads and threshold were tuned with.
+The per-head share is normalised by the instruction + data attention, as the authors' code
+does ("normalize_sum"), so attention sinks outside both spans do not count.
 
 Important heads (`find_important_heads`), from labelled benign (N) and injected (A) prompts:
 
