@@ -99,9 +99,19 @@ def start(name, model, llm_kwargs, log_dir, native=False, timeout=900) -> tuple[
 
 
 # --------------------------------------------------------------------------------------------
+def tracker_layers(L: int) -> list[int]:
+    return sorted({L // 7, (2 * L) // 7 + 1, (4 * L) // 7, L - 2})
+
+
+def full_config(L: int) -> dict:
+    """Opt-in features at exactly the layers the workloads and checks use."""
+    return {"sites": ["resid_post", "resid_pre", "q"], "site_layers": sorted({0, *tracker_layers(L)}),
+            "projection_layers": sorted({2, L // 3, L // 2, (2 * L) // 3}), "capture_pool_rows": 65536}
+
+
 def workloads(L: int) -> dict:
     mid = L // 2
-    four = sorted({L // 7, (2 * L) // 7 + 1, (4 * L) // 7, L - 2})
+    four = tracker_layers(L)
     steer1 = {"steer": [{"op": "add", "layer": mid, "vector": "bench_a", "scale": 0.5}]}
     cap4 = {"capture": [{"layers": four, "tokens": "all"}]}
     return {
@@ -132,21 +142,31 @@ def tpot(w: Worker, n, plen, gen, specs, reps):
     return (median(b["times"]) - median(a["times"])) / gen, median(b["times"])
 
 
-def bench(native: Worker, plugin: Worker, L: int, args) -> dict:
+# Workloads that need opt-in features run on the "full" plugin engine (projection ops and q
+# capture enabled at the layers they use); the rest on the default ("lean") plugin engine.
+FULL_ONLY = ("unused_full_engine", "cap_1_layer", "attention_tracker_4_layers")
+
+
+def bench(native: Worker, lean: Worker, full: Worker, L: int, args, save) -> dict:
     out: dict = {"tpot": [], "prefill": [], "capture_e2e": []}
     wl = workloads(L)
+    wl["unused_full_engine"] = wl["unused"]
     for c in args.concurrency:
         for name, make in wl.items():
             specs = [make(i) for i in range(c)]
+            plugin = full if name in FULL_ONLY else lean
             for rep in range(args.reps):
                 tn, wn = tpot(native, c, args.prompt_len, args.gen, None, 1)
                 tp, wp = tpot(plugin, c, args.prompt_len, args.gen, specs, 1)
                 out["tpot"].append({"workload": name, "concurrency": c, "rep": rep, "native_s": tn,
-                                    "plugin_s": tp, "native_wall_s": wn, "plugin_wall_s": wp})
+                                    "plugin_s": tp, "native_wall_s": wn, "plugin_wall_s": wp,
+                                    "engine": plugin.name})
             rows = [r for r in out["tpot"] if r["workload"] == name and r["concurrency"] == c]
             ratio = median([r["plugin_s"] for r in rows]) / median([r["native_s"] for r in rows])
             print(f"  tpot c={c:<3} {name:32s} native {1e3 * median([r['native_s'] for r in rows]):7.3f} ms"
                   f"  plugin {1e3 * median([r['plugin_s'] for r in rows]):7.3f} ms  x{ratio:.3f}", flush=True)
+        save()
+    plugin = lean
     for plen in args.prefill_lens:
         for name in ("unused", "capture_all_tokens_all_layers"):
             spec = wl[name](0)
@@ -160,6 +180,7 @@ def bench(native: Worker, plugin: Worker, L: int, args) -> dict:
     for gen, name in ((1, "capture_all_tokens_all_layers"), (16, "capture_all_tokens_all_layers"),
                       (1, "attention_tracker_4_layers")):
         spec = wl[name](0)
+        plugin = full if name in FULL_ONLY else lean
         tn = native.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "reps": args.reps + 2})
         tp = plugin.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "specs": [spec],
                           "reps": args.reps + 2})
@@ -168,7 +189,8 @@ def bench(native: Worker, plugin: Worker, L: int, args) -> dict:
                                    "plugin_s": median(tp["times"]), "capture_bytes": tp["capture_bytes"]})
         print(f"  e2e {name} 512 tok, {gen} gen: native {1e3 * median(tn['times']):.1f} ms, plugin "
               f"{1e3 * median(tp['times']):.1f} ms, {tp['capture_bytes'] / 2**20:.1f} MiB", flush=True)
-    out["plugin_stats"] = plugin.call({"op": "stats"})["stats"]
+    out["plugin_stats"] = lean.call({"op": "stats"})["stats"]
+    out["plugin_full_stats"] = full.call({"op": "stats"})["stats"]
     return out
 
 
@@ -181,7 +203,7 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    four = [L // 7, (2 * L) // 7 + 1, (4 * L) // 7, L - 2]
+    four = tracker_layers(L)
     specs = [
         None,
         {"steer": [{"op": "add", "layer": L // 3, "vector": "bench_a", "scale": 1.0, "norm_match": True}]},
@@ -262,7 +284,7 @@ def _agree(a, b) -> float:
 # --------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["bench", "check"], default="bench")
+    ap.add_argument("--suite", choices=["bench", "check", "all"], default="all")
     ap.add_argument("--model", help="checkpoint directory (default: build one, see --shape)")
     ap.add_argument("--shape", default="qwen2-1.5b", help="model shape to build when --model is absent")
     ap.add_argument("--out", required=True)
@@ -301,27 +323,42 @@ def main() -> None:
     print(json.dumps(meta), flush=True)
     t_all = time.time()
     workers: dict[str, Worker] = {}
-    result: dict = {"meta": meta, "startup": {}}
+    result: dict = {"meta": meta, "startup": {}, "configs": {"full": full_config(L)}}
+
+    def save():
+        result["meta"]["wall_s"] = time.time() - t_all
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+
+    lean_cfg = {"vllm_hook": {"capture_pool_rows": 65536}}
+    full_cfg = {"vllm_hook": full_config(L)}
+    plan = [("native_graph", True, {})]
+    if args.suite in ("bench", "all"):
+        plan += [("plugin_lean", False, {"additional_config": lean_cfg})]
+    plan += [("plugin_full", False, {"additional_config": full_cfg})]
+    if args.suite in ("check", "all"):
+        plan += [("native_eager", True, {"enforce_eager": True}),
+                 ("plugin_full_eager", False, {"enforce_eager": True, "additional_config": full_cfg})]
     try:
-        plan = [("native_graph", True, {}), ("plugin_graph", False, {})]
-        if args.suite == "check":
-            plan += [("native_eager", True, {"enforce_eager": True}), ("plugin_eager", False, {"enforce_eager": True})]
         for name, native, extra in plan:
             w, info = start(name, model, {**base, **extra}, out, native=native)
             workers[name] = w
             result["startup"][name] = info
             if not native:
                 w.call({"op": "register_bench_vectors", "hidden": hidden})
-        if args.suite == "bench":
-            result["bench"] = bench(workers["native_graph"], workers["plugin_graph"], L, args)
-        else:
-            result["check"] = check(workers, L, args)
+            save()
+        if args.suite in ("bench", "all"):
+            result["bench"] = bench(workers["native_graph"], workers["plugin_lean"], workers["plugin_full"],
+                                    L, args, save)
+            save()
+        if args.suite in ("check", "all"):
+            engines = {"native_graph": workers["native_graph"], "plugin_graph": workers["plugin_full"],
+                       "native_eager": workers["native_eager"], "plugin_eager": workers["plugin_full_eager"]}
+            result["check"] = check(engines, L, args)
             print(json.dumps(result["check"]["checks"], indent=1), flush=True)
     finally:
         for w in workers.values():
             w.close()
-        result["meta"]["wall_s"] = time.time() - t_all
-        (out / "results.json").write_text(json.dumps(result, indent=1))
+        save()
     from report import write_report  # benchmarks/report.py
 
     (out / "report.md").write_text(write_report(result))

@@ -69,7 +69,7 @@ def serve_command(args, port: int, key: str) -> list[str]:
             base = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model]
         else:
             base = [exe, "serve", args.model]
-    hook_cfg = {"vllm_hook": {"max_inline_result_bytes": args.inline_bytes}}
+    hook_cfg = {"vllm_hook": {"max_inline_result_bytes": args.inline_bytes, "projection_layers": "all"}}
     return [*base, "--host", "127.0.0.1", "--port", str(port),
             "--api-key", key, "--additional-config", json.dumps(hook_cfg),
             *shlex.split(args.serve_args)]

@@ -11,7 +11,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+# Tests exercise every feature, so engines enable the opt-in sites and projection ops
+# everywhere (the default engine config is lean: see docs/config.md).
+FULL_HOOK_CONFIG = {"sites": ["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k"],
+                    "projection_layers": "all"}
 DEFAULTS = dict(
+    additional_config={"vllm_hook": FULL_HOOK_CONFIG},
     dtype="float32",
     max_model_len=512,
     max_num_seqs=16,
@@ -36,7 +41,8 @@ class EnginePool:
 
         from vllm_hook.testing.tiny_models import tiny_model
 
-        self.llm = LLM(tiny_model(arch), **{**DEFAULTS, **kwargs})
+        hook = {**FULL_HOOK_CONFIG, **(kwargs.pop("additional_config", {}) or {}).get("vllm_hook", {})}
+        self.llm = LLM(tiny_model(arch), **{**DEFAULTS, **kwargs, "additional_config": {"vllm_hook": hook}})
         self.name = name
         return self.llm
 

@@ -77,7 +77,7 @@ def test_unhooked_requests_match_plugin_disabled(llm):
                  [sp(None, max_tokens=10)] * 4 + [sp({"steer": [{"op": "add", "layer": 1,
                                                                 "vector": vec(3).tolist(), "scale": 9.0}]})])
     env = {**os.environ, "VLLM_HOOK_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    kwargs = {k: v for k, v in DEFAULTS.items()}
+    kwargs = {k: v for k, v in DEFAULTS.items() if k != "additional_config"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.helpers.plain_generate", "qwen2", json.dumps(kwargs),
          json.dumps(prompts), "10"],

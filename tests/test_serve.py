@@ -36,7 +36,8 @@ TOL = 1e-5
 H = 128
 INLINE = 4096            # max_inline_result_bytes of the test server: bigger results go by handle
 MAX_BODY = 1 << 20       # max_request_bytes of the test server
-HOOK_CONFIG = {"max_inline_result_bytes": INLINE, "max_request_bytes": MAX_BODY}
+HOOK_CONFIG = {"max_inline_result_bytes": INLINE, "max_request_bytes": MAX_BODY,
+               "sites": ["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k"], "projection_layers": "all"}
 ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=64 << 20)
 
 P1 = [11, 52, 97, 140, 201, 33, 77, 260, 301, 19, 45]

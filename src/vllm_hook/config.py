@@ -34,10 +34,21 @@ class HookConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     sites: tuple[Site, ...] = Field(
-        default=SITES,
-        description="Capture sites instrumented in the model (q/k: post-RoPE attention inputs; "
-        "attn_scores needs q). Dropping a site saves its (small) per-layer work; requests for an "
-        "uninstrumented site are refused.",
+        default=("resid_post", "resid_pre"),
+        description="Capture sites instrumented in the model. resid_post/resid_pre (and additive "
+        "steering) fuse into kernels the model runs anyway and cost nothing when unused; attn_out, "
+        "mlp_out, q and k (post-RoPE attention inputs; attn_scores needs q) each add a small "
+        "kernel per instrumented layer and step, so they are opt-in. Requests for an "
+        "uninstrumented site are refused with an error naming this setting.",
+    )
+    site_layers: list[int] | Literal["all"] = Field(
+        default="all",
+        description="Layers where the opt-in sites (attn_out, mlp_out, q, k) are instrumented.",
+    )
+    projection_layers: list[int] | Literal["all"] | None = Field(
+        default=None,
+        description="Layers where cap, ablate and norm-matched add may run. Each costs one extra "
+        "reduction kernel per step at that layer; additive steering needs none and runs anywhere.",
     )
     max_ops_per_layer: int = Field(
         default=2, ge=1, le=8,
@@ -73,6 +84,13 @@ class HookConfig(BaseModel):
         description="Served mode: allow client-supplied Python hooks. Off: never executed.",
     )
     version: str = __version__
+
+    def layers_of(self, value, num_layers: int) -> set[int]:
+        if value is None:
+            return set()
+        if value == "all":
+            return set(range(num_layers))
+        return {v % num_layers for v in value if -num_layers <= v < num_layers}
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "HookConfig":

@@ -30,8 +30,11 @@ def main() -> None:
     path = tiny_model(args.arch)
     print(f"[demo] tiny random {args.arch} checkpoint: {path}")
     t0 = time.time()
+    # Opt-in features used below: attn_out capture and projection ops (ablate).
+    hook_config = {"sites": ["resid_post", "resid_pre", "attn_out"], "projection_layers": "all"}
     llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=8,
-              kv_cache_memory_bytes=64 << 20, enforce_eager=args.eager)
+              kv_cache_memory_bytes=64 << 20, enforce_eager=args.eager,
+              additional_config={"vllm_hook": hook_config})
     print(f"[demo] engine ready in {time.time() - t0:.0f} s "
           f"({'eager' if args.eager else 'torch.compile'}, vLLM {__import__('vllm').__version__})")
 

@@ -13,7 +13,8 @@ from vllm_hook.spec import ModelInfo, SpecError, UnknownVectorError, encode_vect
 from vllm_hook.spec.vectors import decode_vector
 
 INFO = ModelInfo(num_layers=4, hidden_size=8, name="tiny")
-CFG = HookConfig()
+CFG = HookConfig(sites=("resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k"), projection_layers="all")
+LEAN = HookConfig()
 V = [1.0] * 8
 
 
@@ -71,6 +72,22 @@ def test_site_not_instrumented():
     cfg = HookConfig(sites=("resid_post",))
     with pytest.raises(SpecError, match="not instrumented"):
         R({"capture": [{"site": "attn_out"}]}, cfg=cfg)
+
+
+def test_lean_default_engine_refuses_what_it_did_not_compile():
+    with pytest.raises(SpecError, match="vllm_hook.sites including 'q'"):
+        R({"capture": [{"site": "attn_scores"}]}, cfg=LEAN)
+    for op in ({"op": "cap", "layer": 1, "vector": V, "max": 1.0},
+               {"op": "ablate", "layer": 1, "vector": V},
+               {"op": "add", "layer": 1, "vector": V, "norm_match": True}):
+        with pytest.raises(SpecError, match="projection_layers"):
+            R({"steer": [op]}, cfg=LEAN)
+    R({"steer": [{"op": "add", "layer": 1, "vector": V}]}, cfg=LEAN)          # plain add: fine
+    part = HookConfig(sites=("resid_post", "q"), site_layers=[2], projection_layers=[1])
+    R({"steer": [{"op": "cap", "layer": 1, "vector": V, "max": 1.0}]}, cfg=part)
+    with pytest.raises(SpecError, match="not instrumented at layer 0"):
+        R({"capture": [{"site": "q", "layers": [0]}]}, cfg=part)
+    assert [c["layer"] for c in R({"capture": [{"site": "q"}]}, cfg=part).wire["cap"]] == [2]
 
 
 def test_coefficients():

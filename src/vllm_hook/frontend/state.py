@@ -45,7 +45,7 @@ def state_of(input_processor: Any) -> FrontendState:
         vc = input_processor.vllm_config
         cfg = HookConfig.from_vllm_config(vc)
         info = ModelInfo.from_model_config(input_processor.model_config)
-        st = FrontendState(cfg=cfg, info=info, points=PointTable(info.num_layers, tuple(cfg.sites)),
+        st = FrontendState(cfg=cfg, info=info, points=PointTable.for_config(info.num_layers, cfg),
                            max_model_len=int(input_processor.model_config.max_model_len))
         input_processor.__dict__[STATE_ATTR] = st
     return st

@@ -38,6 +38,7 @@ class _LayerHook:
 
     _vh_num_ops: int = 0
     _vh_embed: bool = False
+    _vh_projections: bool = False
 
     def forward(self, *args: Any, **kwargs: Any):
         if self._vh_embed:
@@ -50,7 +51,7 @@ class _LayerHook:
             hs, res = out
             stream = hs.float() + res.float()
             delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_op_vid,
-                                self._vh_unit, self._vh_num_ops)
+                                self._vh_unit, self._vh_num_ops, self._vh_projections)
             res = (res.float() + delta).to(res.dtype)
             # What the next layer reads: its fused add computes hs + res in fp32.
             capture_rows(hs.float() + res.float(), self._vh_cap_idx, self._vh_pool)
@@ -58,7 +59,7 @@ class _LayerHook:
         hs = out[0] if isinstance(out, tuple) else out
         stream = hs.float()
         delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_op_vid,
-                            self._vh_unit, self._vh_num_ops)
+                            self._vh_unit, self._vh_num_ops, self._vh_projections)
         hs = (stream + delta).to(hs.dtype)
         capture_rows(hs, self._vh_cap_idx, self._vh_pool)
         return (hs, *out[1:]) if isinstance(out, tuple) else hs
@@ -141,7 +142,8 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
     if len(layers) != info.num_layers:
         raise InstrumentError(f"found {len(layers)} decoder layers, config says {info.num_layers}")
     device = next(model.parameters()).device
-    points = PointTable(info.num_layers, tuple(cfg.sites))
+    points = PointTable.for_config(info.num_layers, cfg)
+    proj = cfg.layers_of(cfg.projection_layers, info.num_layers)
     wants_qk = "q" in cfg.sites or "k" in cfg.sites
     attns = [find_attention(layer) for layer in layers] if wants_qk else []
     q_width = attns[0].num_heads * attns[0].head_size if attns else 0
@@ -154,6 +156,7 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
     for i, layer in enumerate(layers):
         _swap_class(layer, _LayerHook)
         layer._vh_num_ops = shape.ops_per_layer
+        layer._vh_projections = i in proj
         for name in _SHARED:
             _buf(layer, name, getattr(bufs, name))
         _buf(layer, "op_idx", bufs.op_cols(i))
@@ -162,15 +165,15 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
             layer._vh_embed = True
             _buf(layer, "embed_idx", bufs.cap_col(points.col("resid_pre", 0)))
         for site, names in (("attn_out", _ATTN_NAMES), ("mlp_out", _MLP_NAMES)):
-            if site in cfg.sites:
+            if points.has(site, i):
                 sub = _child(layer, names, site)
                 _swap_class(sub, _OutputCapture)
                 _buf(sub, "pool", bufs.pool)
                 _buf(sub, "cap_idx", bufs.cap_col(points.col(site, i)))
-        if attns:
+        if attns and (points.has("q", i) or points.has("k", i)):
             attn = attns[i]
             _swap_class(attn, _QKCapture)
-            attn._vh_q, attn._vh_k = "q" in cfg.sites, "k" in cfg.sites
+            attn._vh_q, attn._vh_k = points.has("q", i), points.has("k", i)
             if attn._vh_q:
                 _buf(attn, "pool_q", bufs.pools[POOL_Q])
                 _buf(attn, "q_idx", bufs.cap_col(points.col("q", i)))

@@ -20,6 +20,7 @@ POOL_RESID, POOL_Q, POOL_K = 0, 1, 2
 class PointTable:
     num_layers: int
     sites: tuple[str, ...]
+    site_layers: tuple[int, ...] | None = None    # layers of the opt-in sites (None: all)
     cols: dict = field(init=False)
     pool: dict = field(init=False)
     n_points: int = field(init=False)
@@ -40,17 +41,23 @@ class PointTable:
             add("resid_pre", 0, POOL_RESID)
             for i in range(1, L):
                 cols[("resid_pre", i)] = i - 1
+        opt_layers = range(L) if self.site_layers is None else sorted(set(self.site_layers))
         for site, p in (("attn_out", POOL_RESID), ("mlp_out", POOL_RESID), ("q", POOL_Q), ("k", POOL_K)):
             if site in self.sites:
-                for i in range(L):
+                for i in opt_layers:
                     add(site, i, p)
         n_points = nxt
         if "q" in self.sites:
-            for i in range(L):
+            for i in opt_layers:
                 cols[("attn_scores", i)] = n_points + i   # virtual
         object.__setattr__(self, "cols", cols)
         object.__setattr__(self, "pool", pool)
         object.__setattr__(self, "n_points", n_points)
+
+    @classmethod
+    def for_config(cls, num_layers: int, cfg) -> "PointTable":
+        layers = cfg.layers_of(cfg.site_layers, num_layers)
+        return cls(num_layers, tuple(cfg.sites), None if len(layers) == num_layers else tuple(sorted(layers)))
 
     def col(self, site: str, layer: int) -> int:
         return self.cols[(site, layer)]

@@ -15,6 +15,10 @@ Ops at one layer apply in order. Their projections need no second pass over the 
 s_k = h.u_k and G_jk = u_j.u_k (per op pair, stored in the op row at admission),
     p_k = s_k + sum_{j<k} b_j G_jk,    ||x_{k+1}||^2 = ||x_k||^2 + 2 b_k p_k + b_k^2,
 so one pass computes every s_k and ||h||^2, and one pointwise pass adds sum_k b_k u_k.
+
+That pass is one extra reduction kernel per step, so it exists only at the layers the engine
+enables for projections (cap, ablate, norm_match). Elsewhere b = c_add*||v||: no reduction,
+and the update fuses into the next layer's add+RMSNorm kernel.
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ def steer_delta(
     op_vid: torch.Tensor,     # [N+1] int64: row of `unit`
     unit: torch.Tensor,       # [V+1, H] fp32 unit vectors (row 0: zeros)
     num_ops: int,
+    projections: bool = True,
 ) -> torch.Tensor:
     """Sum of this layer's updates for every row ([T, H]); exactly 0 for unsteered rows."""
     T = h.shape[0]
     oi = op_idx[:T]                                   # [T, K]
     prm = op_prm[oi]                                  # [T, K, P]
     u = unit[op_vid[oi]]                              # [T, K, H]
+    if not projections:
+        return (prm[:, :, C_ADD].unsqueeze(-1) * u).sum(dim=1)
     s = (h.unsqueeze(1) * u).sum(dim=-1)              # [T, K]
     n2 = (h * h).sum(dim=-1)                          # [T]
     betas: list[torch.Tensor] = []

@@ -137,6 +137,8 @@ def resolve(
             raise SpecError(f"{where}.site", f"site {site!r} needs {needs!r}, which is not instrumented "
                             "in this engine", f"start the engine with additional_config "
                             f"vllm_hook.sites including {needs!r}")
+        site_layers = (set(range(n)) if needs in ("resid_post", "resid_pre")
+                       else config.layers_of(config.site_layers, n))
         if item.heads is not None and site not in ATTN_SITES:
             raise SpecError(f"{where}.heads", f"heads applies to q, k and attn_scores, not {site!r}",
                             "remove heads")
@@ -155,8 +157,15 @@ def resolve(
                                       or (pos and pos[-1] >= prompt_len)):
             raise SpecError(f"{where}.tokens", "attn_scores query tokens must be prompt tokens",
                             'use "last_prompt", "prompt" or prompt positions')
+        if item.layers == "all" and not isinstance(item.heads, dict):
+            layers = sorted(site_layers)
         for j, layer in enumerate(layers):
             L = _layer(layer, n, f"{where}.layers[{j}]" if item.layers != "all" else f"{where}.layers")
+            if L not in site_layers:
+                raise SpecError(f"{where}.layers", f"site {needs!r} is not instrumented at layer {L} "
+                                f"(instrumented: {sorted(site_layers)})",
+                                "start the engine with additional_config vllm_hook.site_layers "
+                                f"including {L}")
             entry = {"site": site, "layer": L, "sel": sel, "pos": pos}
             if site in ATTN_SITES:
                 total = model.num_kv_heads if site == "k" else model.num_heads
@@ -192,6 +201,12 @@ def resolve(
             assert isinstance(op, AblateOp)
             coef = [0.0, 0.0, op.scale - 1.0, -inf, inf]
             need_norm = True
+        if need_norm and L not in config.layers_of(config.projection_layers, n):
+            kind = "norm-matched add" if isinstance(op, AddOp) else op.op
+            raise SpecError(f"{where}.op", f"{kind} at layer {L} needs projection support, which "
+                            "this engine has not enabled there",
+                            "start the engine with additional_config vllm_hook.projection_layers "
+                            f'including {L} (or "all"), or use a plain add')
         for c in coef[:3]:
             if not math.isfinite(c):
                 raise SpecError(where, "scale is NaN or infinite", "pass a finite scale")
