@@ -69,7 +69,7 @@ class Worker:
         try:
             r = self.replies.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"{self.name}: no reply in {timeout} s\n" + "".join(self.tail))
+            raise RuntimeError(f"{self.name}: no reply in {timeout} s\n" + "".join(self.tail)) from None
         if "error" in r:
             raise RuntimeError(f"{self.name}: {r['error']}\n{r.get('trace', '')}{r.get('tail', '')}")
         return r
@@ -200,7 +200,6 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
     chaotic (greedy tokens of native graphs and native eager drift apart too), so besides
     tokens it compares what does not compound: the first step's logprobs and prompt-row
     captures, each against the native graph-vs-eager noise floor."""
-    import torch
     from safetensors.torch import load_file
 
     four = tracker_layers(L)
@@ -306,7 +305,7 @@ def main() -> None:
         model = tiny_model("qwen2")
         base = dict(dtype="float32", max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=64 << 20,
                     enforce_eager=True)
-        args.concurrency, args.prefill_lens, args.gen, args.reps, args.prompt_len = [1, 4], [16, 64], 8, 1, 32
+        args.concurrency, args.prefill_lens, args.gen, args.reps, args.prompt_len = [2], [16, 64], 4, 1, 32
     else:
         from make_model import build  # benchmarks/make_model.py
 

@@ -127,6 +127,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
+def max_rel_prompt(a: vllm_hook.Results, b: vllm_hook.Results) -> float:
+    """Like max_rel, over prompt rows only: a batch changes bf16 numerics a little (vLLM is not
+    batch-invariant), and on random weights greedy decoding amplifies that into other tokens,
+    whose rows then differ legitimately. Prompt rows have the same inputs either way."""
+    worst = 0.0
+    for site, layers in b.activations.items():
+        for L, t in layers.items():
+            g = a.activations.get(site, {}).get(L)
+            if g is None:
+                return float("inf")
+            ka, kb = a.positions[site][L] < a.prompt_len, b.positions[site][L] < b.prompt_len
+            if int(ka.sum()) != int(kb.sum()):
+                return float("inf")
+            if int(kb.sum()):
+                worst = max(worst, rel_err(g[ka], t[kb]))
+    return worst
+
+
 def max_rel(a: vllm_hook.Results, b: vllm_hook.Results) -> float:
     """Largest per-(site, layer) relative difference; inf when shapes or positions differ."""
     worst = 0.0
@@ -303,13 +321,16 @@ class Checks:
 
         both = asyncio.run(together())
         rows = []
-        for (p, _), a, b in zip(specs, solo, both):
+        for _, a, b in zip(specs, solo, both):
             rows.append({"tokens_equal": a.token_ids == b.token_ids,
-                         "rel_err": max_rel(b.results, a.results), "errors": b.results.errors})
-        ok = all(r["tokens_equal"] and r["rel_err"] <= self.args.batch_tol and not r["errors"]
-                 for r in rows)
+                         "rel_err": max_rel(b.results, a.results),
+                         "prompt_rel_err": max_rel_prompt(b.results, a.results), "errors": b.results.errors})
+        # Isolation is judged on prompt rows (same inputs in a batch and alone); token equality
+        # is reported, not required: see max_rel_prompt.
+        ok = all(r["prompt_rel_err"] <= self.args.batch_tol and not r["errors"] for r in rows)
         return {"ok": ok, "requests": len(rows), "batch_tol": self.args.batch_tol,
-                "max_rel_err": max(r["rel_err"] for r in rows),
+                "max_prompt_rel_err": max(r["prompt_rel_err"] for r in rows),
+                "max_rel_err_all_rows": max(r["rel_err"] for r in rows),
                 "token_mismatches": sum(not r["tokens_equal"] for r in rows)}
 
     def retained(self):

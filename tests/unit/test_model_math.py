@@ -19,7 +19,7 @@ def tables(ops, H=16, K=2, slots=None):
     op_prm[0, :5] = torch.tensor([0, 0, 0, -math.inf, math.inf])
     op_vid = torch.arange(n + 1)
     unit = torch.zeros(n + 1, H)
-    for i, (c, v) in enumerate(ops, 1):
+    for i, (_c, v) in enumerate(ops, 1):
         unit[i] = v / v.norm()
     for i, (c, v) in enumerate(ops, 1):
         gram = [float(unit[i] @ unit[j]) for j in (slots or {}).get(i, [])]

@@ -73,6 +73,15 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
     return rt
 
 
+def load_model_wrapper(orig):
+    """Runner.load_model, then instrument the model: before vLLM compiles or captures it."""
+    def load_model(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        setup_runtime(self, self.get_model(), self.vllm_config)
+        return out
+    return load_model
+
+
 def events(scheduler_output: Any, track_blocks: bool = False) -> SchedulerEvents:
     """The step's lifecycle events; block ids of running requests only when `track_blocks`
     (some request reads its KV cache), so requests without a spec cost O(1) per step."""

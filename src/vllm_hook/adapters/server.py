@@ -248,7 +248,7 @@ def _create(orig):
             return result
         if hasattr(result, "model_dump"):
             # vLLM's response models allow extra fields: this one is serialised with the rest.
-            setattr(result, "vllm_hook", await _encode(self, sink))
+            result.vllm_hook = await _encode(self, sink)
             return result
         return await _streaming(self, result, sink)
     return create

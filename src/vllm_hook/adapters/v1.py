@@ -8,16 +8,8 @@ after the batch was condensed/reordered; dummy and profile runs call the model d
 from __future__ import annotations
 
 from .base import StepView
-from .common import events, require, runtime_of, setup_runtime
+from .common import events, load_model_wrapper, require, runtime_of
 from .patching import wrap_method, when_imported
-
-
-def _load_model(orig):
-    def load_model(self, *args, **kwargs):
-        out = orig(self, *args, **kwargs)
-        setup_runtime(self, self.get_model(), self.vllm_config)
-        return out
-    return load_model
 
 
 def _execute_model(orig):
@@ -51,13 +43,13 @@ def _model_forward(orig):
 def _patch_gpu_runner(mod) -> None:
     cls = mod.GPUModelRunner
     require(cls, ("load_model", "execute_model", "_model_forward", "get_model"), "V1 GPUModelRunner")
-    wrap_method(cls, "load_model", _load_model)
+    wrap_method(cls, "load_model", load_model_wrapper)
     wrap_method(cls, "execute_model", _execute_model)
     wrap_method(cls, "_model_forward", _model_forward)
 
 
 def _patch_cpu_runner(mod) -> None:
-    wrap_method(mod.CPUModelRunner, "load_model", _load_model)
+    wrap_method(mod.CPUModelRunner, "load_model", load_model_wrapper)
 
 
 def install() -> None:

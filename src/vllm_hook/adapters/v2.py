@@ -9,16 +9,8 @@ written into persistent buffers here, before the replay.
 from __future__ import annotations
 
 from .base import StepView
-from .common import events, require, runtime_of, setup_runtime
+from .common import events, load_model_wrapper, require, runtime_of
 from .patching import wrap_method, when_imported
-
-
-def _load_model(orig):
-    def load_model(self, *args, **kwargs):
-        out = orig(self, *args, **kwargs)
-        setup_runtime(self, self.get_model(), self.vllm_config)
-        return out
-    return load_model
 
 
 def _execute_model(orig):
@@ -50,7 +42,7 @@ def _prepare_inputs(orig):
 def _patch(mod) -> None:
     cls = mod.GPUModelRunner
     require(cls, ("load_model", "execute_model", "prepare_inputs", "get_model"), "V2 GPUModelRunner")
-    wrap_method(cls, "load_model", _load_model)
+    wrap_method(cls, "load_model", load_model_wrapper)
     wrap_method(cls, "execute_model", _execute_model)
     wrap_method(cls, "prepare_inputs", _prepare_inputs)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import HookConfig
-from .layout import POOL_K, POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
+from .layout import POOL_RESID, TRASH_ROWS, PointTable
 
 
 @dataclass(frozen=True)
