@@ -1,7 +1,7 @@
 """Isolation: a request's captures and steering affect that request only.
 
-One batch of 10 concurrent requests with different specs (capture only, steering only, both,
-none, different layers, sites, selectors and lengths) gives every request the same tokens and
+One batch of 11 concurrent requests with different specs (capture only, steering only, both,
+none, attention internals, different layers, sites, selectors and lengths) gives every request the same tokens and
 captures (<= 1e-5) as running it alone. Requests without a spec give the same tokens as an
 engine with the plugin disabled (VLLM_HOOK_DISABLE=1, in a subprocess: a real no-op).
 """
@@ -44,6 +44,8 @@ def _specs():
         ({"steer": [{"op": "add", "layer": 2, "vector": v2, "scale": 7.0, "tokens": "generated"}],
           "capture": [{"layers": [2], "tokens": "all"}]}, 13),
         (None, 8),
+        ({"capture": [{"site": "attn_scores", "layers": [1, 3], "tokens": "prompt"},
+                      {"site": "q", "layers": [2], "heads": [0, 3]}, {"site": "k", "layers": [0]}]}, 7),
     ]
 
 
