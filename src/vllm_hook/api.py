@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .frontend import vectors as _vectors
-from .frontend.delivery import RPC, merge_ranks
+from .frontend.delivery import RPC, checked
 from .frontend.state import state_of
 
 
@@ -24,10 +24,7 @@ def delete_vectors(llm: Any, names: list[str]) -> list[str]:
 
 def stats(llm: Any) -> dict:
     """Worker-side counters of rank 0 (admitted requests, retained bytes, table use, ...)."""
-    replies = llm.collective_rpc(RPC, args=("stats",))
-    if replies and isinstance(replies[0], dict) and "error" in replies[0] and len(replies[0]) == 1:
-        raise RuntimeError(replies[0]["error"])
-    return replies[0]
+    return checked(llm.collective_rpc(RPC, args=("stats",)))[0]
 
 
-__all__ = ["register_vectors", "delete_vectors", "stats", "merge_ranks"]
+__all__ = ["register_vectors", "delete_vectors", "stats"]

@@ -11,13 +11,19 @@ from .state import FrontendState
 RPC = "vllm_hook_call"
 
 
+def checked(replies: Sequence[Any]) -> Sequence[Any]:
+    """Raise the error a worker without an active runtime answers with (see worker_rpc)."""
+    for reply in replies:
+        if isinstance(reply, dict) and "error" in reply and len(reply) == 1:
+            raise RuntimeError(reply["error"])
+    return replies
+
+
 def merge_ranks(replies: Sequence[Any]) -> dict[str, list[dict]]:
     """collective_rpc returns one reply per worker (TP rank): rank 0 has the residual stream,
     every rank its shard of the attention heads."""
     merged: dict[str, list[dict]] = {}
-    for reply in replies:
-        if isinstance(reply, dict) and "error" in reply and len(reply) == 1:
-            raise RuntimeError(reply["error"])
+    for reply in checked(replies):
         for key, entries in (reply or {}).items():
             merged.setdefault(key, []).extend(entries)
     return merged
