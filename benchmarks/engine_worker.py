@@ -64,6 +64,18 @@ def main() -> None:
         dt = time.perf_counter() - t
         return outs, dt, nbytes
 
+    def decode_tpot(outs) -> float | None:
+        """Mean over the batch of (last token - first token) / (tokens - 1), from the engine
+        core's own timestamps (needs log stats on): prefill, queueing and the frontend's
+        per-call work are left out."""
+        per = []
+        for o in outs:
+            m, k = getattr(o, "metrics", None), len(o.outputs[0].token_ids)
+            if m is None or k < 2 or not getattr(m, "last_token_ts", 0):
+                return None
+            per.append((m.last_token_ts - m.first_token_ts) / (k - 1))
+        return sum(per) / len(per)
+
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -72,11 +84,12 @@ def main() -> None:
                 reply({"bye": True})
                 break
             if op == "time":
-                times, nbytes = [], 0
+                times, tpots, nbytes = [], [], 0
                 for _ in range(cmd.get("reps", 1)):
-                    _, dt, nbytes = run(cmd)
+                    outs, dt, nbytes = run(cmd)
                     times.append(dt)
-                reply({"times": times, "capture_bytes": nbytes})
+                    tpots.append(decode_tpot(outs))
+                reply({"times": times, "decode_tpot": tpots, "capture_bytes": nbytes})
             elif op == "outputs":
                 outs, _, _ = run(cmd)
                 res = []

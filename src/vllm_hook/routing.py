@@ -8,6 +8,7 @@ contiguous range [start, start + count); the row at offset i has position first_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable
 
 import numpy as np
@@ -17,8 +18,8 @@ from .spec.resolve import selected_mask
 
 @dataclass(frozen=True)
 class SteerRoute:
-    col: int                  # layer * ops_per_layer + slot
-    op_row: int               # row of the op table
+    col: int                  # op-index column of (layer, slot): model.buffers.op_col
+    entry: int                # its op_idx value: model.buffers.pack_op(op row, vector row)
     sel: str
     pos: tuple[int, ...] = ()
 
@@ -36,6 +37,25 @@ class RequestRoutes:
     prompt_len: int
     steer: tuple[SteerRoute, ...] = ()
     capture: tuple[CaptureRoute, ...] = ()
+
+    @cached_property
+    def steer_groups(self) -> tuple[tuple[str, tuple[int, ...], np.ndarray, np.ndarray], ...]:
+        """Steering routes grouped by selector: (sel, pos, columns, op_idx values). One write per
+        group and step, not one per op (a request steering every layer has one group)."""
+        groups: dict[tuple, list[SteerRoute]] = {}
+        for r in self.steer:
+            groups.setdefault((r.sel, r.pos), []).append(r)
+        return tuple((sel, pos, np.array([r.col for r in g], dtype=np.int64),
+                      np.array([r.entry for r in g], dtype=np.int64)) for (sel, pos), g in groups.items())
+
+    @cached_property
+    def capture_groups(self) -> tuple[tuple[tuple, int, bool, np.ndarray], ...]:
+        """Capture routes grouped by (selectors, pool, last_only): (sels, pool, last_only, points)."""
+        groups: dict[tuple, list[int]] = {}
+        for c in self.capture:
+            groups.setdefault((c.sels, c.pool, c.last_only), []).append(c.point)
+        return tuple((sels, pool, last, np.array(pts, dtype=np.int64))
+                     for (sels, pool, last), pts in groups.items())
 
     @property
     def horizon(self) -> float:
@@ -57,13 +77,20 @@ class Rows:
 
 @dataclass(frozen=True)
 class Segment:
+    """One request's captured rows of one step for a group of points with the same selection:
+    pool rows [pool_start, pool_start + len(points) * len(positions)), point-major (the rows
+    of points[0] first, each block in position order)."""
     owner: Any
-    point: int
+    points: tuple[int, ...]
     pool_start: int
     positions: np.ndarray
     last_only: bool
     pool: int = 0
     rows: np.ndarray | None = None           # batch rows of the captured tokens
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.points) * len(self.positions)
 
 
 @dataclass
@@ -80,7 +107,7 @@ def route_step(
     cap_idx: np.ndarray,
     pool_rows: int,
 ) -> StepRouting:
-    """Fill `op_idx` [T, L*K] (pre-zeroed) and `cap_idx` [T, points] (pre-filled with trash rows)
+    """Fill `op_idx` [T, op columns] (pre-zeroed) and `cap_idx` [T, points] (pre-filled with trash rows)
     for the requests in `entries`; return where each captured row lands in the pool."""
     out = StepRouting()
     for owner, routes, rows in entries:
@@ -89,26 +116,30 @@ def route_step(
         positions = rows.first_pos + np.arange(rows.count, dtype=np.int64)
         batch_rows = rows.start + np.arange(rows.count, dtype=np.int64)
         P = routes.prompt_len
-        for r in routes.steer:
-            m = selected_mask(r.sel, r.pos, positions, P)
+        for sel, pos, cols, values in routes.steer_groups:
+            m = selected_mask(sel, pos, positions, P)
             if m.any():
                 sel_rows = batch_rows[m]
-                op_idx[sel_rows, r.col] = r.op_row
+                op_idx[sel_rows[:, None], cols[None, :]] = values[None, :]
                 out.steered_upto = max(out.steered_upto, int(sel_rows[-1]) + 1)
-        for c in routes.capture:
+        for sels, pool, last_only, points in routes.capture_groups:
             m = np.zeros(rows.count, dtype=bool)
-            for sel, pos in c.sels:
+            for sel, pos in sels:
                 m |= selected_mask(sel, pos, positions, P)
             n = int(m.sum())
             if not n:
                 continue
-            used = out.pool_used.get(c.pool, 0)
-            if used + n > pool_rows:
+            used = out.pool_used.get(pool, 0)
+            total = n * len(points)
+            if used + total > pool_rows:
                 if owner not in out.overflow:
                     out.overflow.append(owner)
                 continue
-            cap_idx[batch_rows[m], c.point] = used + np.arange(n, dtype=np.int64)
-            out.segments.append(Segment(owner, c.point, used, positions[m], c.last_only, c.pool,
-                                        batch_rows[m]))
-            out.pool_used[c.pool] = used + n
+            sel_rows = batch_rows[m]
+            # point g's row i lands at used + g*n + i (point-major, see Segment)
+            block = np.arange(len(points), dtype=np.int64)[None, :] * n + np.arange(n, dtype=np.int64)[:, None]
+            cap_idx[sel_rows[:, None], points[None, :]] = used + block
+            out.segments.append(Segment(owner, tuple(points.tolist()), used, positions[m], last_only, pool,
+                                        sel_rows))
+            out.pool_used[pool] = used + total
     return out

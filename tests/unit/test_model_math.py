@@ -5,32 +5,38 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_hook.delivery.store import RequestStore, points_from_bytes
+from vllm_hook.model.buffers import pack_op
 from vllm_hook.model.steering import capture_rows, steer_delta
 
 
 def tables(ops, H=16, K=2, slots=None):
-    """ops: list of (coef5, vector). Op i+1 holds u.u with the ops listed in slots[i] (earlier
+    """ops: list of (coef5, vector); op i's unit vector is row i. Op i+1 holds u.u with the ops listed in slots[i] (earlier
     ops of the same row and layer), as the runtime computes it at admission."""
     n = len(ops)
     op_prm = torch.zeros(n + 1, 4 + K)
     op_prm[0, :5] = torch.tensor([0, 0, 0, -math.inf, math.inf])
-    op_vid = torch.arange(n + 1)
     unit = torch.zeros(n + 1, H)
     for i, (_c, v) in enumerate(ops, 1):
         unit[i] = v / v.norm()
     for i, (c, v) in enumerate(ops, 1):
         gram = [float(unit[i] @ unit[j]) for j in (slots or {}).get(i, [])]
         op_prm[i] = torch.tensor([c[0] * float(v.norm()), *c[1:], *gram, *[0.0] * (K - 1 - len(gram))])
-    return op_prm, op_vid, unit
+    return op_prm, unit
+
+
+def packed(idx, op_vid):
+    """op_idx entries as the runtime writes them: op row | vector row << 32."""
+    return torch.tensor([[pack_op(o, int(op_vid[o])) for o in row] for row in idx], dtype=torch.int64)
 
 
 def test_identity_is_exactly_zero():
     h = torch.randn(5, 16) * 100
-    op_prm, op_vid, unit = tables([])
-    d = steer_delta(h, torch.zeros(8, 2, dtype=torch.int64), op_prm, op_vid, unit, 2)
+    op_prm, unit = tables([])
+    d = steer_delta(h, torch.zeros(8, 2, dtype=torch.int64), op_prm, unit, 2)
     assert torch.equal(d, torch.zeros_like(h))
 
 
@@ -45,10 +51,13 @@ def test_each_formula_and_order():
            ([0, 0.5, 0, -inf, inf], v2),      # norm-matched add
            ([0, 0, 0, -0.1, 0.2], v1),        # cap
            ([0, 0, -1.0, -inf, inf], v2)]     # ablate (scale 0)
-    op_prm, op_vid, unit = tables(ops, H, slots={3: [1], 4: [2]})
+    op_prm, unit = tables(ops, H, slots={3: [1], 4: [2]})
     # Row 0: op1 then op3 at one layer; row 1: op2 then op4; row 2: nothing.
-    idx = torch.tensor([[1, 3], [2, 4], [0, 0]] + [[0, 0]] * 5)
-    d = steer_delta(h, idx, op_prm, op_vid, unit, 2)
+    # vector rows differ from op rows, as in the engine (vectors are shared between ops)
+    op_vid = torch.tensor([0, 3, 1, 4, 2])
+    unit = unit[torch.tensor([0, 2, 4, 1, 3])]
+    idx = packed([[1, 3], [2, 4], [0, 0]] + [[0, 0]] * 5, op_vid)
+    d = steer_delta(h, idx, op_prm, unit, 2)
     x = h[0] + 2.0 * v1
     p = x @ u1
     x = x + (p.clamp(-0.1, 0.2) - p) * u1
@@ -70,17 +79,50 @@ def test_capture_rows_scatter():
 
 def test_store_newest_copy_wins_and_roundtrip():
     s = RequestStore()
-    s.add(0, np.array([0, 1, 2]), torch.tensor([[0.0], [1.0], [2.0]]), last_only=False)
-    s.add(0, np.array([2, 3]), torch.tensor([[20.0], [3.0]]), last_only=False)   # recompute of 2
+    s.add((0,), np.array([0, 1, 2]), torch.tensor([[0.0], [1.0], [2.0]]), last_only=False)
+    s.add((0,), np.array([2, 3]), torch.tensor([[20.0], [3.0]]), last_only=False)   # recompute of 2
     pts, meta = points_from_bytes(s.to_bytes({"errors": ["x"]}))
     pos, rows = pts[0]
     assert pos.tolist() == [0, 1, 2, 3] and rows.flatten().tolist() == [0.0, 1.0, 20.0, 3.0]
     assert meta == {"errors": ["x"]}
 
 
+def test_store_splits_point_major_blocks_per_point():
+    s = RequestStore()
+    # two points, two steps: step 1 positions [0, 1], step 2 position [2]
+    s.add((4, 7), np.array([0, 1]), torch.tensor([[40.0], [41.0], [70.0], [71.0]]), last_only=False)
+    s.add((4, 7), np.array([2]), torch.tensor([[42.0], [72.0]]), last_only=False)
+    pts = s.points()
+    assert pts[4][0].tolist() == pts[7][0].tolist() == [0, 1, 2]
+    assert pts[4][1].flatten().tolist() == [40.0, 41.0, 42.0]
+    assert pts[7][1].flatten().tolist() == [70.0, 71.0, 72.0]
+
+
 def test_store_last_only_keeps_two_newest():
     s = RequestStore()
     for p in range(5):
-        s.add(1, np.array([p]), torch.tensor([[float(p)]]), last_only=True)
+        s.add((1,), np.array([p]), torch.tensor([[float(p)]]), last_only=True)
     pos, rows = s.points()[1]
     assert pos.tolist() == [3, 4]
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_per_layer_views_are_16_byte_aligned(K):
+    """Inductor compiles one graph for all layers and, on a GPU, clones at run time every
+    input whose address is not 16-byte aligned: an odd int64 column cost a 3.8 MB copy per
+    layer and step on the H200. Every view the layers read must start aligned."""
+    from vllm_hook.config import HookConfig
+    from vllm_hook.model.buffers import BufferShape, HookBuffers, cap_points
+    from vllm_hook.model.layout import PointTable
+
+    cfg = HookConfig(sites=("resid_post", "resid_pre", "attn_out", "mlp_out"), max_ops_per_layer=K)
+    points = PointTable.for_config(5, cfg)
+    shape = BufferShape.for_engine(num_layers=5, hidden=16, max_num_batched_tokens=32, max_num_seqs=4,
+                                   cfg=cfg, points=points)
+    bufs = HookBuffers(shape, dtype=torch.float32, device=torch.device("cpu"))
+    views = [bufs.op_cols(i) for i in range(5)] + [bufs.cap_col(p) for p in range(points.n_points)]
+    assert all(v.data_ptr() % 16 == 0 for v in views)
+    assert all(v.shape[1] == K for v in views[:5])
+    # the logical view the router writes through is the columns the layers read
+    cap_points(bufs.cap_idx)[3, 4] = 7
+    assert int(bufs.cap_col(4)[3]) == 7

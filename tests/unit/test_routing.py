@@ -16,9 +16,9 @@ def arrays(T, points=6):
 
 def test_two_requests_chunked_and_decode():
     op, cap = arrays(10)
-    a = RequestRoutes(5, steer=(SteerRoute(col=2, op_row=7, sel="all"),),
+    a = RequestRoutes(5, steer=(SteerRoute(col=2, entry=7, sel="all"),),
                       capture=(CaptureRoute(point=1, sels=(("all", ()),)),))
-    b = RequestRoutes(3, steer=(SteerRoute(col=3, op_row=9, sel="generated"),),
+    b = RequestRoutes(3, steer=(SteerRoute(col=3, entry=9, sel="generated"),),
                       capture=(CaptureRoute(point=1, sels=(("last_prompt", ()),)),))
     # a: decode row (position 6) at row 0; b: prompt chunk positions 0..2 at rows 1..3.
     r = route_step([("a", a, Rows(0, 1, 6)), ("b", b, Rows(1, 3, 0))], op, cap, pool_rows=100)
@@ -31,7 +31,7 @@ def test_two_requests_chunked_and_decode():
 
 def test_padding_rows_untouched_and_positions_selector():
     op, cap = arrays(8)
-    a = RequestRoutes(4, steer=(SteerRoute(col=0, op_row=1, sel="pos", pos=(1, 3)),),
+    a = RequestRoutes(4, steer=(SteerRoute(col=0, entry=1, sel="pos", pos=(1, 3)),),
                       capture=(CaptureRoute(point=0, sels=(("prompt", ()),)),))
     r = route_step([("a", a, Rows(2, 4, 0))], op, cap, pool_rows=100)
     assert op[:, 0].tolist() == [0, 0, 0, 1, 0, 1, 0, 0]
@@ -78,3 +78,16 @@ def test_point_table_resid_pre_aliases_previous_resid_post():
     assert t.n_points == 4 + 1 + 4 + 4
     assert t.pool_of(t.col("resid_post", 0)) == 0
     assert len({t.col("attn_out", i) for i in range(4)} | {t.col("mlp_out", i) for i in range(4)}) == 8
+
+
+def test_points_with_one_selection_share_a_point_major_segment():
+    op, cap = arrays(3)
+    a = RequestRoutes(2, steer=tuple(SteerRoute(col=c, entry=10 + c, sel="all") for c in (0, 2, 4)),
+                      capture=tuple(CaptureRoute(point=p, sels=(("all", ()),)) for p in (1, 3, 5)))
+    r = route_step([("a", a, Rows(1, 2, 0))], op, cap, pool_rows=100)
+    assert op[1:, [0, 2, 4]].tolist() == [[10, 12, 14], [10, 12, 14]] and not op[0].any()
+    (seg,) = r.segments
+    assert seg.points == (1, 3, 5) and seg.positions.tolist() == [0, 1] and seg.num_rows == 6
+    # point g's rows are g*2 + [0, 1]
+    assert cap[1:, [1, 3, 5]].tolist() == [[0, 2, 4], [1, 3, 5]]
+    assert r.pool_used == {0: 6}

@@ -62,7 +62,7 @@ class Collector:
 
     def _hand_over(self, hosts, segments: list[Segment], extras) -> None:
         for seg in segments:
-            part = hosts[seg.pool][seg.pool_start:seg.pool_start + len(seg.positions)]
+            part = hosts[seg.pool][seg.pool_start:seg.pool_start + seg.num_rows]
             # clone: pinned memory is scarce; keep it only while the copy is in flight
             self.deliver(seg, part.clone() if self.on_device else part)
         for seg, t in extras:

@@ -16,12 +16,17 @@ from safetensors.torch import save as st_save
 
 
 class RequestStore:
+    """Chunks are kept as they arrive, one per step and group of points (point-major blocks,
+    see `routing.Segment`); they are split per point only when the results are fetched, so a
+    step costs one append per group, whatever the number of layers."""
+
     def __init__(self):
-        self._chunks: dict[int, list[tuple[np.ndarray, torch.Tensor]]] = {}
+        self._chunks: dict[tuple[int, ...], list[tuple[np.ndarray, torch.Tensor]]] = {}
         self.nbytes = 0
 
-    def add(self, point: int, positions: np.ndarray, rows: torch.Tensor, last_only: bool) -> None:
-        chunks = self._chunks.setdefault(point, [])
+    def add(self, points: tuple[int, ...], positions: np.ndarray, rows: torch.Tensor,
+            last_only: bool) -> None:
+        chunks = self._chunks.setdefault(points, [])
         chunks.append((positions, rows))
         self.nbytes += rows.numel() * rows.element_size()
         if last_only and len(chunks) > 2:
@@ -31,15 +36,23 @@ class RequestStore:
             del chunks[:-2]
 
     def points(self) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
+        """{point: (positions, rows)}, positions ascending, newest copy of each. Rows are views
+        of the stored blocks where no reordering is needed (the common case: one prefill
+        chunk, or steps in order without recomputation)."""
         out = {}
-        for point, chunks in self._chunks.items():
-            pos = np.concatenate([c[0] for c in chunks])
-            rows = torch.cat([c[1] for c in chunks]) if len(chunks) > 1 else chunks[0][1]
-            # Newest copy of each position, in position order.
-            rev = pos[::-1]
-            uniq, first_in_rev = np.unique(rev, return_index=True)
-            keep = len(pos) - 1 - first_in_rev
-            out[point] = (uniq, rows[torch.from_numpy(keep)])
+        for points, chunks in self._chunks.items():
+            G = len(points)
+            parts = [c[1].reshape(G, len(c[0]), *c[1].shape[1:]) for c in chunks]
+            pos = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
+            # [G, rows of all chunks, ...]: each chunk is G blocks of its own row count
+            blocks = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+            if len(pos) > 1 and not bool(np.all(pos[1:] > pos[:-1])):
+                # Recomputed or reordered positions: keep the newest copy of each, in order.
+                rev = pos[::-1]
+                pos, first_in_rev = np.unique(rev, return_index=True)
+                blocks = blocks[:, torch.from_numpy(len(rev) - 1 - first_in_rev)]
+            for g, point in enumerate(points):
+                out[point] = (pos, blocks[g])
         return out
 
     def to_bytes(self, meta: dict) -> bytes:

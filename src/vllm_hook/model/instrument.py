@@ -22,7 +22,7 @@ from .steering import capture_rows, steer_delta
 
 _ATTN_NAMES = ("self_attn", "attn", "attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn")
-_SHARED = ("op_prm", "op_vid", "unit", "pool")
+_SHARED = ("op_prm", "unit", "pool")
 
 
 class InstrumentError(RuntimeError):
@@ -50,16 +50,16 @@ class _LayerHook:
         if isinstance(out, tuple) and len(out) == 2 and out[1] is not None:
             hs, res = out
             stream = hs.float() + res.float()
-            delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_op_vid,
-                                self._vh_unit, self._vh_num_ops, self._vh_projections)
+            delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
+                                self._vh_num_ops, self._vh_projections)
             res = (res.float() + delta).to(res.dtype)
             # What the next layer reads: its fused add computes hs + res in fp32.
             capture_rows(hs.float() + res.float(), self._vh_cap_idx, self._vh_pool)
             return hs, res
         hs = out[0] if isinstance(out, tuple) else out
         stream = hs.float()
-        delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_op_vid,
-                            self._vh_unit, self._vh_num_ops, self._vh_projections)
+        delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
+                            self._vh_num_ops, self._vh_projections)
         hs = (stream + delta).to(hs.dtype)
         capture_rows(hs, self._vh_cap_idx, self._vh_pool)
         return (hs, *out[1:]) if isinstance(out, tuple) else hs

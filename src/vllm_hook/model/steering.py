@@ -25,15 +25,23 @@ from __future__ import annotations
 
 import torch
 
+_ROW_BITS = 32                 # model.buffers.OP_ROW_BITS (kept local: no import in the hot path)
+_ROW_MASK = (1 << _ROW_BITS) - 1
 # Columns of the op-parameter table.
 C_ADD, C_NORM, C_ABL, LO, HI, GRAM = 0, 1, 2, 3, 4, 5
 
 
+def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """table[idx] without a bounds check in the compiled kernel: the runtime writes only rows
+    it allocated, and a device-side assert per load sits on the decode critical path."""
+    return torch.ops.aten._unsafe_index(table, [idx])
+
+
 def steer_delta(
     h: torch.Tensor,          # [T, H] fp32 residual stream
-    op_idx: torch.Tensor,     # [max_tokens, K] int64: this layer's op slots per row
+    op_idx: torch.Tensor,     # [max_tokens, K] int64: this layer's op slots per row, packed
+                              # op row | vector row << 32 (model.buffers.pack_op)
     op_prm: torch.Tensor,     # [N+1, 5 + K-1] fp32: c_add*||v||, c_norm, c_abl, lo, hi, G_k0..
-    op_vid: torch.Tensor,     # [N+1] int64: row of `unit`
     unit: torch.Tensor,       # [V+1, H] fp32 unit vectors (row 0: zeros)
     num_ops: int,
     projections: bool = True,
@@ -41,8 +49,8 @@ def steer_delta(
     """Sum of this layer's updates for every row ([T, H]); exactly 0 for unsteered rows."""
     T = h.shape[0]
     oi = op_idx[:T]                                   # [T, K]
-    prm = op_prm[oi]                                  # [T, K, P]
-    u = unit[op_vid[oi]]                              # [T, K, H]
+    prm = _gather(op_prm, oi & _ROW_MASK)             # [T, K, P]
+    u = _gather(unit, oi >> _ROW_BITS)                # [T, K, H]
     if not projections:
         return (prm[:, :, C_ADD].unsqueeze(-1) * u).sum(dim=1)
     s = (h.unsqueeze(1) * u).sum(dim=-1)              # [T, K]

@@ -28,28 +28,35 @@ def scores_for_step(routing: StepRouting, q_pool: torch.Tensor, layers: list[Att
     out = []
     for seg in routing.segments:
         req = seg.owner
-        for job in req.attn_jobs.get(seg.point, ()):
-            m = np.zeros(len(seg.positions), dtype=bool)
-            for sel, pos in job.sels:
-                m |= selected_mask(sel, pos, seg.positions, req.prompt_len)
-            if not m.any():
-                continue
-            info = layers[job.layer]
-            local = [info.q_heads.index(h) for h in job.heads if h in info.q_heads]
-            if not local:
-                continue
-            rows = torch.as_tensor(seg.pool_start + np.nonzero(m)[0], device=q_pool.device)
-            q = q_pool[rows].view(len(rows), info.num_heads, info.head_size)[:, local]
-            qpos = seg.positions[m]
-            group, block_size = info.geometry()
-            K = int(qpos.max()) + 1
-            pos = torch.arange(K, device=q_pool.device)
-            blocks = torch.as_tensor(req.blocks[group], dtype=torch.int64, device=q_pool.device)
-            keys = info.keys(blocks[pos // block_size], pos % block_size)
-            per_kv = info.num_heads // info.num_kv_heads
-            kv_of_head = torch.as_tensor([h // per_kv for h in local], device=q_pool.device)
-            w = attention_scores(q, keys, kv_of_head, torch.as_tensor(qpos, device=q_pool.device),
-                                 info.scale, info.softcap, info.window, req.prompt_len)
-            req.attn_heads[job.out_point] = [info.q_heads[h] for h in local]
-            out.append((Segment(req, job.out_point, 0, qpos, False), w))
+        if not req.attn_jobs:
+            continue
+        n = len(seg.positions)
+        for g, point in enumerate(seg.points):
+            for job in req.attn_jobs.get(point, ()):
+                out.extend(_scores(req, job, seg, seg.pool_start + g * n, q_pool, layers))
     return out
+
+
+def _scores(req, job: AttnJob, seg: Segment, start: int, q_pool: torch.Tensor, layers: list[AttnLayer]):
+    """Weights of one job from the q rows at pool rows [start, start + len(seg.positions))."""
+    m = np.zeros(len(seg.positions), dtype=bool)
+    for sel, pos in job.sels:
+        m |= selected_mask(sel, pos, seg.positions, req.prompt_len)
+    info = layers[job.layer]
+    local = [info.q_heads.index(h) for h in job.heads if h in info.q_heads]
+    if not m.any() or not local:
+        return []
+    rows = torch.as_tensor(start + np.nonzero(m)[0], device=q_pool.device)
+    q = q_pool[rows].view(len(rows), info.num_heads, info.head_size)[:, local]
+    qpos = seg.positions[m]
+    group, block_size = info.geometry()
+    K = int(qpos.max()) + 1
+    pos = torch.arange(K, device=q_pool.device)
+    blocks = torch.as_tensor(req.blocks[group], dtype=torch.int64, device=q_pool.device)
+    keys = info.keys(blocks[pos // block_size], pos % block_size)
+    per_kv = info.num_heads // info.num_kv_heads
+    kv_of_head = torch.as_tensor([h // per_kv for h in local], device=q_pool.device)
+    w = attention_scores(q, keys, kv_of_head, torch.as_tensor(qpos, device=q_pool.device),
+                         info.scale, info.softcap, info.window, req.prompt_len)
+    req.attn_heads[job.out_point] = [info.q_heads[h] for h in local]
+    return [(Segment(req, (job.out_point,), 0, qpos, False), w)]

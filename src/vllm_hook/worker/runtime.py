@@ -18,7 +18,7 @@ from ..adapters.base import AttnLayer, SchedulerEvents, StepView
 from ..config import HookConfig
 from ..delivery.collector import Collector
 from ..delivery.store import RequestStore
-from ..model.buffers import HookBuffers
+from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, route_step
 from .attention_jobs import AttnJob, scores_for_step
@@ -168,7 +168,8 @@ class HookRuntime:
             self.active[req_id] = req
 
     def _admit_steering(self, req: HookRequest, ops) -> tuple[SteerRoute, ...]:
-        K = self.bufs.shape.ops_per_layer
+        shape = self.bufs.shape
+        K = shape.ops_per_layer
         params, vec_rows, cols, sels = [], [], [], []
         earlier: dict[int, list[int]] = {}          # layer -> vector rows of its earlier ops
         try:
@@ -179,7 +180,7 @@ class HookRuntime:
                 vec_rows.append(row)
                 L = int(op["layer"])
                 prev = earlier.setdefault(L, [])
-                cols.append(L * K + len(prev))
+                cols.append(op_col(shape, L, len(prev)))
                 c_add, c_norm, c_abl, lo, hi = (float(x) for x in op["c"])
                 u = self.tables.units[row]
                 gram = [float(np.dot(u.astype(np.float64), self.tables.units[r])) for r in prev]
@@ -187,11 +188,12 @@ class HookRuntime:
                               + gram + [0.0] * (K - 1 - len(gram)))
                 prev.append(row)
                 sels.append((op["sel"], tuple(op["pos"])))
-            req.op_rows = self.tables.acquire_ops(params, vec_rows)
+            req.op_rows = self.tables.acquire_ops(params)
         except Exception:
             self._release_tables(req)
             raise
-        return tuple(SteerRoute(c, r, s, p) for c, r, (s, p) in zip(cols, req.op_rows, sels))
+        return tuple(SteerRoute(c, pack_op(r, v), s, p)
+                     for c, r, v, (s, p) in zip(cols, req.op_rows, vec_rows, sels))
 
     def _release_tables(self, req: HookRequest) -> None:
         for row in req.vec_rows:
@@ -268,7 +270,7 @@ class HookRuntime:
         if has_cap:
             cap_h[:T_pad] = self._trash[:T_pad, None]
         # Without steering (capture) routes, route_step writes nothing into op_h (cap_h).
-        routing = route_step(entries, op_h[:T_pad], cap_h[:T_pad], self.bufs.shape.pool_rows)
+        routing = route_step(entries, op_h[:T_pad], cap_points(cap_h[:T_pad]), self.bufs.shape.pool_rows)
         self.staging.commit(op_n, T_pad if routing.segments else 0)
         self._steer_dirty = routing.steered_upto
         for req in routing.overflow:
@@ -306,7 +308,7 @@ class HookRuntime:
     def _deliver(self, seg: Segment, rows: torch.Tensor) -> None:
         req: HookRequest = seg.owner
         if not req.fetched:
-            req.store.add(seg.point, seg.positions, rows, seg.last_only)
+            req.store.add(seg.points, seg.positions, rows, seg.last_only)
 
     # ---- RPC -------------------------------------------------------------------------------
     def fetch(self, keys: list[str], drop: bool = True) -> dict[str, list[dict]]:

@@ -56,7 +56,7 @@ class DeviceTables:
             del self.units[row], self.norms[row]
             self._free_vecs.append(row)
 
-    def acquire_ops(self, params: list[list[float]], vec_rows: list[int]) -> list[int]:
+    def acquire_ops(self, params: list[list[float]]) -> list[int]:
         n = len(params)
         if n > len(self._free_ops):
             raise TableFull("the steering op table is full; too many steered requests are "
@@ -65,7 +65,6 @@ class DeviceTables:
         if n:
             idx = torch.tensor(rows, dtype=torch.int64, device=self.bufs.device)
             self.bufs.op_prm.index_copy_(0, idx, torch.tensor(params, dtype=torch.float32).to(self.bufs.device))
-            self.bufs.op_vid.index_copy_(0, idx, torch.tensor(vec_rows, dtype=torch.int64).to(self.bufs.device))
         return rows
 
     def release_ops(self, rows: list[int]) -> None:

@@ -1,0 +1,121 @@
+"""Host-side cost per decode step of the plugin's routing and capture delivery, on the CPU.
+
+    python benchmarks/host_overhead.py [--out FILE]
+
+On the GPU, vLLM's step is partly host-bound (async scheduling overlaps the next step's host
+work with the current forward), so Python work per step can show up in decode time. This
+times, without an engine, what the worker does per step for the benchmark workloads: the
+routing (`routing.route_step`) and the hand-over of captured rows to the request stores
+(`Collector._hand_over` + `RequestStore.add`), for 1 to 16 decoding requests on a 28-layer
+model. It prints microseconds per step. Then it times the host side of fetching one request's
+capture of every layer and token of a 512-token prompt (42 MiB in bf16): the worker's
+hand-over and wire bytes, a pickle round trip standing in for the RPC, and the frontend's
+`Results`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from vllm_hook.delivery.collector import Collector  # noqa: E402
+from vllm_hook.delivery.store import RequestStore  # noqa: E402
+from vllm_hook.model.layout import PointTable  # noqa: E402
+from vllm_hook.results import build  # noqa: E402
+from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, route_step  # noqa: E402
+
+L, K, H = 28, 2, 1536
+
+
+class _Req:
+    def __init__(self):
+        self.store = RequestStore()
+
+
+def workload(kind: str, n: int):
+    out = []
+    for i in range(n):
+        if kind == "steer_add_all_layers":
+            r = RequestRoutes(128, steer=tuple(SteerRoute(col=layer * K, entry=1 + i * L + layer, sel="all")
+                                               for layer in range(L)))
+        elif kind == "capture_all_tokens_all_layers":
+            r = RequestRoutes(128, capture=tuple(CaptureRoute(point=layer, sels=(("all", ()),))
+                                                 for layer in range(L)))
+        else:   # capture_all_tokens_4_layers
+            r = RequestRoutes(128, capture=tuple(CaptureRoute(point=layer, sels=(("all", ()),))
+                                                 for layer in (4, 9, 16, 26)))
+        out.append((_Req(), r, Rows(i, 1, 130)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out")
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    pool = torch.zeros(65536, H, dtype=torch.bfloat16)
+    res = []
+    for kind in ("steer_add_all_layers", "capture_all_tokens_4_layers", "capture_all_tokens_all_layers"):
+        for n in (1, 4, 8, 16):
+            entries = workload(kind, n)
+            op, cap = np.zeros((64, L * K), np.int64), np.zeros((64, 2 * L), np.int64)
+            col = Collector([pool, None, None], lambda seg, rows: seg.owner.store.add(
+                seg.points, seg.positions, rows, seg.last_only))
+            t_route = t_deliver = 0.0
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                routing = route_step(entries, op, cap, 65536)
+                t_route += time.perf_counter() - t
+                t = time.perf_counter()
+                col.after_forward(routing)
+                t_deliver += time.perf_counter() - t
+            row = {"workload": kind, "requests": n, "route_us": 1e6 * t_route / args.steps,
+                   "deliver_us": 1e6 * t_deliver / args.steps}
+            res.append(row)
+            print(f"{kind:32s} {n:3d} requests: route {row['route_us']:7.0f} us/step, "
+                  f"deliver {row['deliver_us']:7.0f} us/step", flush=True)
+    fetch = fetch_stages()
+    print("fetch of a 512-token all-layer capture, ms (min of 3): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in fetch.items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"per_step": res, "fetch_ms": fetch}, indent=1))
+
+
+def fetch_stages(P: int = 512, reps: int = 3) -> dict[str, float]:
+    pool = torch.randn((L + 1) * P, H).to(torch.bfloat16)
+    points = tuple(range(L + 1))            # resid_post of every layer + resid_pre
+    table = PointTable(L, ("resid_post", "resid_pre"))
+    items = [{"site": "resid_post", "layer": i, "sel": "all", "pos": []} for i in range(L)]
+    items.append({"site": "resid_pre", "layer": 0, "sel": "all", "pos": []})
+    best: dict[str, float] = {}
+    for _ in range(reps):
+        stages = {}
+        t = time.perf_counter()
+        store = RequestStore()
+        store.add(points, np.arange(P), pool.clone(), False)       # hand-over (pinned -> store)
+        stages["hand-over"] = time.perf_counter() - t
+        t = time.perf_counter()
+        blob = store.to_bytes({"errors": [], "rank": 0})
+        stages["worker wire bytes"] = time.perf_counter() - t
+        t = time.perf_counter()
+        blob = pickle.loads(pickle.dumps(blob))
+        stages["pickle round trip"] = time.perf_counter() - t
+        t = time.perf_counter()
+        build([blob], items, table, request_id="r", prompt_token_ids=list(range(P)), output_token_ids=[1])
+        stages["frontend Results"] = time.perf_counter() - t
+        for k, v in stages.items():
+            best[k] = min(best.get(k, float("inf")), 1e3 * v)
+    return best
+
+
+if __name__ == "__main__":
+    main()
