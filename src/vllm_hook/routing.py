@@ -49,12 +49,13 @@ class RequestRoutes:
                       np.array([r.entry for r in g], dtype=np.int64)) for (sel, pos), g in groups.items())
 
     @cached_property
-    def capture_groups(self) -> tuple[tuple[tuple, int, bool, np.ndarray], ...]:
-        """Capture routes grouped by (selectors, pool, last_only): (sels, pool, last_only, points)."""
+    def capture_groups(self) -> tuple[tuple[tuple, int, bool, np.ndarray, tuple[int, ...]], ...]:
+        """Capture routes grouped by (selectors, pool, last_only): (sels, pool, last_only,
+        points as an index array, the same points as a tuple)."""
         groups: dict[tuple, list[int]] = {}
         for c in self.capture:
             groups.setdefault((c.sels, c.pool, c.last_only), []).append(c.point)
-        return tuple((sels, pool, last, np.array(pts, dtype=np.int64))
+        return tuple((sels, pool, last, np.array(pts, dtype=np.int64), tuple(pts))
                      for (sels, pool, last), pts in groups.items())
 
     @property
@@ -122,7 +123,7 @@ def route_step(
                 sel_rows = batch_rows[m]
                 op_idx[sel_rows[:, None], cols[None, :]] = values[None, :]
                 out.steered_upto = max(out.steered_upto, int(sel_rows[-1]) + 1)
-        for sels, pool, last_only, points in routes.capture_groups:
+        for sels, pool, last_only, points, point_ids in routes.capture_groups:
             m = np.zeros(rows.count, dtype=bool)
             for sel, pos in sels:
                 m |= selected_mask(sel, pos, positions, P)
@@ -139,7 +140,7 @@ def route_step(
             # point g's row i lands at used + g*n + i (point-major, see Segment)
             block = np.arange(len(points), dtype=np.int64)[None, :] * n + np.arange(n, dtype=np.int64)[:, None]
             cap_idx[sel_rows[:, None], points[None, :]] = used + block
-            out.segments.append(Segment(owner, tuple(points.tolist()), used, positions[m], last_only, pool,
+            out.segments.append(Segment(owner, point_ids, used, positions[m], last_only, pool,
                                         sel_rows))
             out.pool_used[pool] = used + total
     return out

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
-_ROW_BITS = 32                 # model.buffers.OP_ROW_BITS (kept local: no import in the hot path)
-_ROW_MASK = (1 << _ROW_BITS) - 1
+from .buffers import OP_ROW_BITS
+
+_ROW_MASK = (1 << OP_ROW_BITS) - 1
 # Columns of the op-parameter table.
 C_ADD, C_NORM, C_ABL, LO, HI, GRAM = 0, 1, 2, 3, 4, 5
 
@@ -50,7 +51,7 @@ def steer_delta(
     T = h.shape[0]
     oi = op_idx[:T]                                   # [T, K]
     prm = _gather(op_prm, oi & _ROW_MASK)             # [T, K, P]
-    u = _gather(unit, oi >> _ROW_BITS)                # [T, K, H]
+    u = _gather(unit, oi >> OP_ROW_BITS)              # [T, K, H]
     if not projections:
         return (prm[:, :, C_ADD].unsqueeze(-1) * u).sum(dim=1)
     s = (h.unsqueeze(1) * u).sum(dim=-1)              # [T, K]
