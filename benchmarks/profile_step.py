@@ -29,6 +29,12 @@ from pathlib import Path
 ENGINES = {
     "native": {"native": True},
     "lean": {"additional_config": {"vllm_hook": {}}},
+    "capture_only": {"additional_config": {"vllm_hook": {"steer_layers": None}}},
+    # Without Inductor's bounds asserts on indexed loads and stores (HookConfig.index_asserts);
+    # native_noassert shows what that alone does to native's own kernels.
+    "lean_noassert": {"additional_config": {"vllm_hook": {"index_asserts": False}}},
+    "native_noassert": {"native": True,
+                        "compilation_config": {"inductor_compile_config": {"assert_indirect_indexing": False}}},
 }
 
 

@@ -146,19 +146,25 @@ def tpot(w: Worker, n, plen, gen, specs, reps):
     return (median(b["times"]) - median(a["times"])) / gen, median(b["times"]), "wall_difference"
 
 
-# Workloads that need opt-in features run on the "full" plugin engine (projection ops and q
-# capture enabled at the layers they use); the rest on the default ("lean") plugin engine.
-FULL_ONLY = ("unused_full_engine", "cap_1_layer", "attention_tracker_4_layers")
+# Workloads run on the default ("lean") plugin engine, except: those that need opt-in features
+# on the "full" engine (projection ops and q capture at the layers they use), and the
+# capture-only engine's rows (steer_layers: none, so no steering math in the graph).
+ENGINE_OF = {"unused_full_engine": "plugin_full", "cap_1_layer": "plugin_full",
+             "attention_tracker_4_layers": "plugin_full", "unused_capture_only_engine": "plugin_capture_only",
+             "capture_last_prompt_4_layers_capture_only_engine": "plugin_capture_only"}
 
 
-def bench(native: Worker, lean: Worker, full: Worker, L: int, args, save) -> dict:
+def bench(workers: dict[str, Worker], L: int, args, save) -> dict:
     out: dict = {"tpot": [], "prefill": [], "capture_e2e": []}
+    native, lean, full = workers["native_graph"], workers["plugin_lean"], workers["plugin_full"]
     wl = workloads(L)
     wl["unused_full_engine"] = wl["unused"]
+    wl["unused_capture_only_engine"] = wl["unused"]
+    wl["capture_last_prompt_4_layers_capture_only_engine"] = wl["capture_last_prompt_4_layers"]
     for c in args.concurrency:
         for name, make in wl.items():
             specs = [make(i) for i in range(c)]
-            plugin = full if name in FULL_ONLY else lean
+            plugin = workers[ENGINE_OF.get(name, "plugin_lean")]
             for rep in range(args.reps):
                 tn, wn, method = tpot(native, c, args.prompt_len, args.gen, None, 1)
                 tp, wp, _ = tpot(plugin, c, args.prompt_len, args.gen, specs, 1)
@@ -184,7 +190,7 @@ def bench(native: Worker, lean: Worker, full: Worker, L: int, args, save) -> dic
     for gen, name in ((1, "capture_all_tokens_all_layers"), (16, "capture_all_tokens_all_layers"),
                       (1, "attention_tracker_4_layers")):
         spec = wl[name](0)
-        plugin = full if name in FULL_ONLY else lean
+        plugin = workers[ENGINE_OF.get(name, "plugin_lean")]
         tn = native.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "reps": args.reps + 2})
         tp = plugin.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "specs": [spec],
                           "reps": args.reps + 2})
@@ -336,7 +342,9 @@ def main() -> None:
     full_cfg = {"vllm_hook": full_config(L)}
     plan = [("native_graph", True, {})]
     if args.suite in ("bench", "all"):
-        plan += [("plugin_lean", False, {"additional_config": lean_cfg})]
+        plan += [("plugin_lean", False, {"additional_config": lean_cfg}),
+                 ("plugin_capture_only", False, {"additional_config": {"vllm_hook": {
+                     **lean_cfg["vllm_hook"], "steer_layers": None}}})]
     plan += [("plugin_full", False, {"additional_config": full_cfg})]
     if args.suite in ("check", "all"):
         plan += [("native_eager", True, {"enforce_eager": True}),
@@ -350,8 +358,7 @@ def main() -> None:
                 w.call({"op": "register_bench_vectors", "hidden": hidden})
             save()
         if args.suite in ("bench", "all"):
-            result["bench"] = bench(workers["native_graph"], workers["plugin_lean"], workers["plugin_full"],
-                                    L, args, save)
+            result["bench"] = bench(workers, L, args, save)
             save()
         if args.suite in ("check", "all"):
             engines = {"native_graph": workers["native_graph"], "plugin_graph": workers["plugin_full"],

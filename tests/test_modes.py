@@ -24,9 +24,16 @@ def _run(llm):
 
 
 def test_compiled_equals_eager(engines):
+    """Also: an engine with steering compiled in only where SPEC steers (steer_layers,
+    projection_layers) gives the same results, and refuses steering elsewhere."""
     compiled = _run(engines.get("qwen2-compiled", arch="qwen2"))
     c = [(list(o.outputs[0].token_ids), getattr(o, "vllm_hook", None)) for o in compiled]
-    eager = _run(engines.get("qwen2-eager", arch="qwen2", enforce_eager=True))
+    eager_llm = engines.get("qwen2-eager", arch="qwen2", enforce_eager=True, additional_config={
+        "vllm_hook": {"steer_layers": [1], "projection_layers": [2]}})
+    with pytest.raises(ValueError, match="steer_layers"):
+        run(eager_llm, [ids_of(eager_llm, PROMPTS[0])],
+            sp({"steer": [{"op": "add", "layer": 0, "vector": vec(51).tolist()}]}, max_tokens=2))
+    eager = _run(eager_llm)
     for (ctoks, cres), e in zip(c, eager):
         assert ctoks == list(e.outputs[0].token_ids)
         if cres is None:

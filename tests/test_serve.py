@@ -9,6 +9,7 @@ bad specs get 400/404/413 and the server keeps serving; retained results stay bo
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import math
 import os
@@ -455,6 +456,7 @@ def test_500_requests_leave_nothing_retained(server, client):
     assert h["pending_requests"] == 0
     w = h["workers"][0]
     assert w["retained_bytes"] == 0 and w["results_waiting"] == 0 and w["admitted"] == 0, w
+    assert not glob.glob("/dev/shm/vllm_hook-*"), "spilled result files left behind"
     print(f"500 requests in {elapsed:.1f} s")
 
 

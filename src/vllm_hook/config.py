@@ -45,6 +45,13 @@ class HookConfig(BaseModel):
         default="all",
         description="Layers where the opt-in sites (attn_out, mlp_out, q, k) are instrumented.",
     )
+    steer_layers: list[int] | Literal["all"] | None = Field(
+        default="all",
+        description="Layers where additive steering may run. It fuses into the next layer's "
+        "add+RMSNorm kernel, but that kernel then loads the request's op rows every step (a few "
+        "percent of decode time when no request steers, docs/benchmarks.md); an engine that never "
+        "steers at a layer can leave it out and pay nothing there. Projection layers always steer.",
+    )
     projection_layers: list[int] | Literal["all"] | None = Field(
         default=None,
         description="Layers where cap, ablate and norm-matched add may run. Each costs one extra "
@@ -62,6 +69,22 @@ class HookConfig(BaseModel):
         default=None, ge=1,
         description="Rows of the per-step device capture buffer (one row = one token at one "
         "site and layer), per pool (residual, q, k). Default: max(2 x max_num_batched_tokens, 8192).",
+    )
+    index_asserts: bool = Field(
+        default=False,
+        description="Keep Inductor's device-side bounds checks on indexed loads and stores "
+        "(its assert_indirect_indexing) in the compiled model. Off by default: the capture "
+        "scatter's check made every layer's fused norm kernel 1.2 us slower, every step (H200, "
+        "docs/benchmarks.md), and the plugin writes only indices it allocated. The setting "
+        "covers the whole compiled model; on the H200 it changed none of native vLLM's kernels "
+        "(vLLM itself turns off Inductor's size and alignment asserts for speed).",
+    )
+    result_spill_dir: str | None = Field(
+        default="/dev/shm",
+        description="Where workers put fetched results for a frontend on the same host (a "
+        "shared-memory directory: the frontend maps the file and deletes it at once), instead "
+        "of sending them through vLLM's RPC. None, or a directory the worker cannot write, "
+        "uses the RPC.",
     )
     max_inline_result_bytes: int = Field(
         default=8 << 20, ge=0,
@@ -91,6 +114,11 @@ class HookConfig(BaseModel):
         if value == "all":
             return set(range(num_layers))
         return {v % num_layers for v in value if -num_layers <= v < num_layers}
+
+    def steering_layers(self, num_layers: int) -> set[int]:
+        """Layers whose instrumented graph contains the steering math."""
+        return (self.layers_of(self.steer_layers, num_layers)
+                | self.layers_of(self.projection_layers, num_layers))
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> "HookConfig":

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
 
 from . import __version__
-from .delivery.store import _metadata as _st_metadata
+from .delivery.store import safetensors_metadata
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
 from .spec.errors import HookRuntimeError
@@ -87,7 +87,7 @@ class Results:
     @classmethod
     def from_bytes(cls, blob: bytes) -> "Results":
         """Inverse of `to_bytes`."""
-        return cls._from(st_load(blob), _st_metadata(blob), None)
+        return cls._from(st_load(blob), safetensors_metadata(blob), None)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Results":

@@ -87,6 +87,36 @@ def test_store_newest_copy_wins_and_roundtrip():
     assert meta == {"errors": ["x"]}
 
 
+def test_store_spills_to_a_shared_file_on_the_same_host_only(tmp_path):
+    import os
+
+    from vllm_hook.delivery.store import open_wire, spill_target, sweep_spilled
+
+    s = RequestStore()
+    rows = torch.arange(12, dtype=torch.float32).reshape(6, 2).to(torch.bfloat16)
+    s.add((3, 5), np.array([0, 1, 2]), rows, last_only=False)
+    wire = s.to_wire({"rank": 0}, spill_target(str(tmp_path)))
+    assert set(wire) == {"path"} and os.path.dirname(wire["path"]) == str(tmp_path)
+    pts, meta = points_from_bytes(open_wire(wire))
+    assert not os.listdir(tmp_path)                          # unlinked once mapped
+    assert meta == {"rank": 0} and pts[3][0].tolist() == [0, 1, 2]
+    assert torch.equal(pts[3][1], rows[:3]) and torch.equal(pts[5][1], rows[3:])
+    assert pts[5][1].dtype == torch.bfloat16
+    stale = s.to_wire({}, spill_target(str(tmp_path)))["path"]
+    os.utime(stale, (0, 0))
+    fresh = s.to_wire({}, spill_target(str(tmp_path)))["path"]
+    assert sweep_spilled(str(tmp_path), max_age_s=600) == 1 and os.listdir(tmp_path) == [os.path.basename(fresh)]
+    os.unlink(fresh)
+    elsewhere = {"host": "another-host", "dir": str(tmp_path)}
+    assert set(s.to_wire({}, elsewhere)) == {"blob"}
+    assert set(s.to_wire({}, spill_target(str(tmp_path / "missing")))) == {"blob"}
+    assert set(s.to_wire({}, None)) == {"blob"}
+    empty = RequestStore()
+    empty.add((1,), np.array([], dtype=np.int64), torch.zeros(0, 4), last_only=False)
+    pts, _ = points_from_bytes(open_wire(empty.to_wire({}, spill_target(str(tmp_path)))))
+    assert pts[1][1].shape == (0, 4)
+
+
 def test_store_splits_point_major_blocks_per_point():
     s = RequestStore()
     # two points, two steps: step 1 positions [0, 1], step 2 position [2]

@@ -37,3 +37,18 @@ def test_missing_runner_attribute_fails_loudly():
 
     with pytest.raises(UnsupportedVllm, match="lacks \\['prepare_inputs'\\]"):
         require(Runner, ("load_model", "prepare_inputs"), "V2 GPUModelRunner")
+
+
+@pytest.mark.parametrize("asserts", [True, False])
+def test_index_asserts_setting_reaches_the_compile_options(asserts):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_hook import plugin
+    from vllm_hook.testing.tiny_models import tiny_model
+
+    plugin.register()
+    cfg = EngineArgs(model=tiny_model("qwen2"), max_model_len=256, kv_cache_memory_bytes=16 << 20,
+                     additional_config={"vllm_hook": {"index_asserts": asserts}}).create_engine_config()
+    opts = cfg.compilation_config.inductor_compile_config
+    assert opts.get("assert_indirect_indexing", True) is asserts
+    assert cfg.additional_config["vllm_hook"]["index_asserts"] is asserts

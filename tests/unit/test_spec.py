@@ -84,6 +84,12 @@ def test_lean_default_engine_refuses_what_it_did_not_compile():
             R({"steer": [op]}, cfg=LEAN)
     R({"steer": [{"op": "add", "layer": 1, "vector": V}]}, cfg=LEAN)          # plain add: fine
     part = HookConfig(sites=("resid_post", "q"), site_layers=[2], projection_layers=[1])
+    capture_only = HookConfig(steer_layers=None)
+    with pytest.raises(SpecError, match="steer_layers including 1"):
+        R({"steer": [{"op": "add", "layer": 1, "vector": V}]}, cfg=capture_only)
+    R({"capture": [{"layers": "all"}]}, cfg=capture_only)
+    R({"steer": [{"op": "add", "layer": 1, "vector": V}]}, cfg=part)       # projection layers steer
+    assert HookConfig(steer_layers=[0], projection_layers=[2]).steering_layers(4) == {0, 2}
     R({"steer": [{"op": "cap", "layer": 1, "vector": V, "max": 1.0}]}, cfg=part)
     with pytest.raises(SpecError, match="not instrumented at layer 0"):
         R({"capture": [{"site": "q", "layers": [0]}]}, cfg=part)

@@ -16,7 +16,12 @@ def _stamp_config(orig):
         # them, with the plugin version, into vLLM's compile-cache key.
         cfg = HookConfig.from_additional_config(self.additional_config)
         self.additional_config = {**(self.additional_config or {}), CONFIG_KEY: cfg.stamp()}
-        return orig(self, *args, **kwargs)
+        vllm_config = orig(self, *args, **kwargs)
+        if not cfg.index_asserts:
+            # Before the model is built: vLLM copies these options into its compile backend then.
+            vllm_config.compilation_config.inductor_compile_config.setdefault(
+                "assert_indirect_indexing", False)
+        return vllm_config
     return create_engine_config
 
 

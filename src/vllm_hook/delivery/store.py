@@ -2,17 +2,31 @@
 
 Rows arrive per step and per capture point with their token positions. A position can arrive
 twice (a preempted request recomputes its tokens): the newest copy wins. The wire format to
-the frontend is safetensors bytes: `p{point}` [rows, hidden] and `p{point}.pos` [rows].
+the frontend is safetensors: `p{point}` [rows, hidden] and `p{point}.pos` [rows]. It travels
+as bytes in the RPC reply, or, when the frontend runs on the same host (the usual case), as a
+file in shared memory that the frontend maps and unlinks: large captures then skip the RPC's
+serialisation and copies.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import socket
+import time
+import uuid
+import warnings
+from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+           "I32": torch.int32, "U8": torch.uint8}
+SPILL_PREFIX = "vllm_hook-"
 
 
 class RequestStore:
@@ -55,26 +69,93 @@ class RequestStore:
                 out[point] = (pos, blocks[g])
         return out
 
-    def to_bytes(self, meta: dict) -> bytes:
+    def _tensors(self) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = {}
         for point, (pos, rows) in self.points().items():
             tensors[f"p{point}"] = rows.contiguous()
             tensors[f"p{point}.pos"] = torch.from_numpy(pos.astype(np.int64))
-        return st_save(tensors, metadata={"vllm_hook": json.dumps(meta)})
+        return tensors
+
+    def to_bytes(self, meta: dict) -> bytes:
+        return st_save(self._tensors(), metadata={"vllm_hook": json.dumps(meta)})
+
+    def to_wire(self, meta: dict, spill: dict | None) -> dict[str, Any]:
+        """{"blob": bytes}, or {"path": file} when `spill` ({"host", "dir"} from the frontend)
+        names this host and a writable directory."""
+        if spill and spill.get("host") == socket.gethostname() and os.access(spill.get("dir", ""), os.W_OK):
+            path = os.path.join(spill["dir"], f"{SPILL_PREFIX}{uuid.uuid4().hex}.safetensors")
+            try:
+                st_save_file(self._tensors(), path, metadata={"vllm_hook": json.dumps(meta)})
+                return {"path": path}
+            except OSError:                       # full or vanished: the RPC still works
+                if os.path.exists(path):
+                    os.unlink(path)
+        return {"blob": self.to_bytes(meta)}
 
 
-def points_from_bytes(blob: bytes) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
-    """Inverse of `RequestStore.to_bytes`: {point: (positions, rows)} and the metadata."""
-    tensors = st_load(blob)
-    meta = json.loads(_metadata(blob).get("vllm_hook", "{}"))
+def spill_target(directory: str | None) -> dict | None:
+    """What the frontend sends with a fetch: its host and the directory to spill into."""
+    return {"host": socket.gethostname(), "dir": directory} if directory else None
+
+
+def sweep_spilled(directory: str, max_age_s: float) -> int:
+    """Delete spilled files older than `max_age_s`: a frontend that died between a fetch and
+    opening its file left them (a live one opens its files within the fetch)."""
+    n, now = 0, time.time()
+    try:
+        names = [f for f in os.listdir(directory) if f.startswith(SPILL_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if now - os.path.getmtime(path) > max_age_s:
+                os.unlink(path)
+                n += 1
+        except OSError:
+            pass                                  # another engine swept it first
+    return n
+
+
+def open_wire(entry: dict) -> Any:
+    """The buffer of a fetched entry: the bytes, or the spilled file mapped and unlinked (the
+    mapping lives as long as tensors viewing it)."""
+    if "blob" in entry:
+        return entry["blob"]
+    with open(entry["path"], "rb") as f:
+        # Populated up front: one call instead of a page fault per 4 KiB while reading.
+        buf = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                        prot=mmap.PROT_READ)
+    os.unlink(entry["path"])
+    return buf
+
+
+def safetensors_metadata(buf: Any) -> dict:
+    """The `__metadata__` of safetensors bytes, without reading the tensors."""
+    n = int.from_bytes(buf[:8], "little")
+    return json.loads(bytes(buf[8:8 + n])).get("__metadata__", {}) or {}
+
+
+def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
+    """Inverse of `RequestStore.to_bytes` (bytes or a mapped file): {point: (positions, rows)}
+    and the metadata. Rows are read-only views of `buf`, not copies; positions are copied."""
+    n = int.from_bytes(buf[:8], "little")
+    header = json.loads(bytes(buf[8:8 + n]))
+    meta = json.loads((header.pop("__metadata__", None) or {}).get("vllm_hook", "{}"))
+    tensors = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # read-only buffer: the views are only read
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            dtype, shape = _DTYPES[info["dtype"]], info["shape"]
+            if end == start:
+                t = torch.empty(shape, dtype=dtype)
+            else:
+                t = torch.frombuffer(buf, dtype=dtype, count=(end - start) // dtype.itemsize,
+                                     offset=8 + n + start).view(shape)
+            tensors[name] = t.clone() if name.endswith(".pos") else t
     out = {}
     for name, t in tensors.items():
         if not name.endswith(".pos"):
             out[int(name[1:])] = (tensors[f"{name}.pos"], t)
     return out, meta
-
-
-def _metadata(blob: bytes) -> dict:
-    n = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + n])
-    return header.get("__metadata__", {}) or {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..delivery.store import open_wire, spill_target
 from ..results import ATTR, Results, build
 from .state import FrontendState
 
@@ -40,9 +41,9 @@ def child_index(req_id: str, n: int) -> int:
 def results_for(st: FrontendState, output: Any, entries: list[dict], res) -> Results | list[Results]:
     outs = list(getattr(output, "outputs", []) or [])
     n = max(len(outs), 1)
-    by_index: dict[int, list[bytes]] = {}
-    for e in entries:
-        by_index.setdefault(child_index(e["req_id"], n), []).append(e["blob"])
+    by_index: dict[int, list] = {}
+    for e in entries:          # every entry opened first: spilled files are unlinked on open
+        by_index.setdefault(child_index(e["req_id"], n), []).append(open_wire(e))
     built = []
     for i, comp in enumerate(outs or [None]):
         idx = getattr(comp, "index", i) if comp is not None else 0
@@ -71,7 +72,8 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
     if not todo:
         return
     keys = [res.key for _, res in todo if res.items]
-    fetched = merge_ranks(rpc(RPC, args=("fetch", keys))) if keys else {}
+    fetched = merge_ranks(rpc(RPC, args=("fetch", keys, True, spill_target(st.cfg.result_spill_dir)))) \
+        if keys else {}
     for out, res in todo:
         setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res))
 

@@ -39,6 +39,7 @@ class _LayerHook:
     _vh_num_ops: int = 0
     _vh_embed: bool = False
     _vh_projections: bool = False
+    _vh_steer: bool = True
 
     def forward(self, *args: Any, **kwargs: Any):
         if self._vh_embed:
@@ -49,18 +50,20 @@ class _LayerHook:
         out = super().forward(*args, **kwargs)
         if isinstance(out, tuple) and len(out) == 2 and out[1] is not None:
             hs, res = out
-            stream = hs.float() + res.float()
-            delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
-                                self._vh_num_ops, self._vh_projections)
-            res = (res.float() + delta).to(res.dtype)
+            if self._vh_steer:
+                stream = hs.float() + res.float()
+                delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
+                                    self._vh_num_ops, self._vh_projections)
+                res = (res.float() + delta).to(res.dtype)
             # What the next layer reads: its fused add computes hs + res in fp32.
             capture_rows(hs.float() + res.float(), self._vh_cap_idx, self._vh_pool)
             return hs, res
         hs = out[0] if isinstance(out, tuple) else out
-        stream = hs.float()
-        delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
-                            self._vh_num_ops, self._vh_projections)
-        hs = (stream + delta).to(hs.dtype)
+        if self._vh_steer:
+            stream = hs.float()
+            delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
+                                self._vh_num_ops, self._vh_projections)
+            hs = (stream + delta).to(hs.dtype)
         capture_rows(hs, self._vh_cap_idx, self._vh_pool)
         return (hs, *out[1:]) if isinstance(out, tuple) else hs
 
@@ -144,6 +147,7 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
     device = next(model.parameters()).device
     points = PointTable.for_config(info.num_layers, cfg)
     proj = cfg.layers_of(cfg.projection_layers, info.num_layers)
+    steer = cfg.steering_layers(info.num_layers)
     wants_qk = "q" in cfg.sites or "k" in cfg.sites
     attns = [find_attention(layer) for layer in layers] if wants_qk else []
     q_width = attns[0].num_heads * attns[0].head_size if attns else 0
@@ -157,6 +161,7 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
         _swap_class(layer, _LayerHook)
         layer._vh_num_ops = shape.ops_per_layer
         layer._vh_projections = i in proj
+        layer._vh_steer = i in steer
         for name in _SHARED:
             _buf(layer, name, getattr(bufs, name))
         _buf(layer, "op_idx", bufs.op_cols(i))

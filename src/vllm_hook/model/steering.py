@@ -35,7 +35,7 @@ C_ADD, C_NORM, C_ABL, LO, HI, GRAM = 0, 1, 2, 3, 4, 5
 def _gather(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """table[idx] without a bounds check in the compiled kernel: the runtime writes only rows
     it allocated, and a device-side assert per load sits on the decode critical path."""
-    return torch.ops.aten._unsafe_index(table, [idx])
+    return torch.ops.aten._unsafe_index.Tensor(table, [idx])
 
 
 def steer_delta(

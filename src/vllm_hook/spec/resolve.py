@@ -201,6 +201,10 @@ def resolve(
             assert isinstance(op, AblateOp)
             coef = [0.0, 0.0, op.scale - 1.0, -inf, inf]
             need_norm = True
+        if not need_norm and L not in config.steering_layers(n):
+            raise SpecError(f"{where}.layer", f"this engine has no steering at layer {L}",
+                            "start the engine with additional_config vllm_hook.steer_layers "
+                            f'including {L} (or "all")')
         if need_norm and L not in config.layers_of(config.projection_layers, n):
             kind = "norm-matched add" if isinstance(op, AddOp) else op.op
             raise SpecError(f"{where}.op", f"{kind} at layer {L} needs projection support, which "

@@ -17,7 +17,7 @@ import torch
 from ..adapters.base import AttnLayer, SchedulerEvents, StepView
 from ..config import HookConfig
 from ..delivery.collector import Collector
-from ..delivery.store import RequestStore
+from ..delivery.store import RequestStore, sweep_spilled
 from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, route_step
@@ -100,6 +100,8 @@ class HookRuntime:
         self._step: StepRouting | None = None
         self._trash = (bufs.shape.pool_rows + np.arange(bufs.shape.max_tokens) % TRASH_ROWS)
         self.steps_routed = 0
+        if cfg.result_spill_dir:
+            sweep_spilled(cfg.result_spill_dir, max_age_s=cfg.result_ttl_s)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def on_events(self, ev: SchedulerEvents) -> None:
@@ -311,8 +313,9 @@ class HookRuntime:
             req.store.add(seg.points, seg.positions, rows, seg.last_only)
 
     # ---- RPC -------------------------------------------------------------------------------
-    def fetch(self, keys: list[str], drop: bool = True) -> dict[str, list[dict]]:
-        """Results of every request (n>1: every child) with one of `keys`, as safetensors bytes."""
+    def fetch(self, keys: list[str], drop: bool = True, spill: dict | None = None) -> dict[str, list[dict]]:
+        """Results of every request (n>1: every child) with one of `keys`, in safetensors: as
+        bytes, or as a file in `spill`'s directory when the frontend is on this host."""
         self.collector.drain(wait=True)
         wanted = set(keys)
         out: dict[str, list[dict]] = {k: [] for k in keys}
@@ -324,7 +327,7 @@ class HookRuntime:
                         "rank": self.rank, "attn_heads": {str(k): v for k, v in req.attn_heads.items()},
                         "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
                         "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
-                out[req.key].append({"req_id": rid, "blob": req.store.to_bytes(meta)})
+                out[req.key].append({"req_id": rid, **req.store.to_wire(meta, spill)})
                 if drop:
                     req.fetched = True
                     req.store = RequestStore()
@@ -333,7 +336,16 @@ class HookRuntime:
 
     def discard(self, keys: list[str]) -> int:
         """Drop the results of aborted requests (their steps may still be in flight)."""
-        return sum(len(v) for v in self.fetch(keys, drop=True).values())
+        self.collector.drain(wait=True)
+        wanted, n = set(keys), 0
+        for pool in (self.done, self.requests):
+            for rid, req in list(pool.items()):
+                if req.key in wanted and not req.fetched:
+                    req.fetched = True
+                    req.store = RequestStore()
+                    self.done.pop(rid, None)
+                    n += 1
+        return n
 
     def register_vectors(self, vectors: dict[str, bytes]) -> list[str]:
         for name, raw in vectors.items():
