@@ -87,6 +87,25 @@ def test_store_newest_copy_wins_and_roundtrip():
     assert meta == {"errors": ["x"]}
 
 
+def test_store_falls_back_to_the_rpc_when_the_spill_fails(tmp_path, monkeypatch):
+    import os
+
+    from safetensors import SafetensorError
+
+    from vllm_hook.delivery import store
+
+    def full(tensors, path, metadata=None):
+        open(path, "wb").write(b"partial")
+        raise SafetensorError("No space left on device")      # a container's 64 MiB /dev/shm
+
+    monkeypatch.setattr(store, "st_save_file", full)
+    s = RequestStore()
+    s.add((0,), np.arange(3), torch.ones(3, 4), last_only=False)
+    wire = s.to_wire({}, store.spill_target(str(tmp_path)))
+    assert set(wire) == {"blob"} and not os.listdir(tmp_path)
+    assert points_from_bytes(store.open_wire(wire))[0][0][1].shape == (3, 4)
+
+
 def test_store_spills_to_a_shared_file_on_the_same_host_only(tmp_path):
     import os
 

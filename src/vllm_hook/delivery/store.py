@@ -87,7 +87,7 @@ class RequestStore:
             try:
                 st_save_file(self._tensors(), path, metadata={"vllm_hook": json.dumps(meta)})
                 return {"path": path}
-            except OSError:                       # full or vanished: the RPC still works
+            except Exception:     # full (a container's small /dev/shm) or vanished: use the RPC
                 if os.path.exists(path):
                     os.unlink(path)
         return {"blob": self.to_bytes(meta)}
