@@ -456,7 +456,8 @@ def test_500_requests_leave_nothing_retained(server, client):
     assert h["pending_requests"] == 0
     w = h["workers"][0]
     assert w["retained_bytes"] == 0 and w["results_waiting"] == 0 and w["admitted"] == 0, w
-    assert not glob.glob("/dev/shm/vllm_hook-*"), "spilled result files left behind"
+    left = [f for f in glob.glob("/dev/shm/vllm_hook-*") if "-probe-" not in f]
+    assert not left, f"spilled result files left behind: {left[:3]}"
     print(f"500 requests in {elapsed:.1f} s")
 
 

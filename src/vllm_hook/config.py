@@ -81,10 +81,10 @@ class HookConfig(BaseModel):
     )
     result_spill_dir: str | None = Field(
         default="/dev/shm",
-        description="Where workers put fetched results for a frontend on the same host (a "
-        "shared-memory directory: the frontend maps the file and deletes it at once), instead "
-        "of sending them through vLLM's RPC. None, or a directory the worker cannot write, "
-        "uses the RPC.",
+        description="Where workers put fetched results for a frontend that shares their "
+        "/dev/shm (it keeps a probe file there that the worker must see; the frontend maps "
+        "each result file and deletes it at once), instead of sending them through vLLM's "
+        "RPC. None, another host or container, or a full or unwritable directory: the RPC.",
     )
     max_inline_result_bytes: int = Field(
         default=8 << 20, ge=0,

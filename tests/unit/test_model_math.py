@@ -101,8 +101,9 @@ def test_store_falls_back_to_the_rpc_when_the_spill_fails(tmp_path, monkeypatch)
     monkeypatch.setattr(store, "st_save_file", full)
     s = RequestStore()
     s.add((0,), np.arange(3), torch.ones(3, 4), last_only=False)
-    wire = s.to_wire({}, store.spill_target(str(tmp_path)))
-    assert set(wire) == {"blob"} and not os.listdir(tmp_path)
+    target = store.spill_target(str(tmp_path))
+    wire = s.to_wire({}, target)
+    assert set(wire) == {"blob"} and os.listdir(tmp_path) == [target["probe"]]   # no partial file
     assert points_from_bytes(store.open_wire(wire))[0][0][1].shape == (3, 4)
 
 
@@ -114,26 +115,35 @@ def test_store_spills_to_a_shared_file_on_the_same_host_only(tmp_path):
     s = RequestStore()
     rows = torch.arange(12, dtype=torch.float32).reshape(6, 2).to(torch.bfloat16)
     s.add((3, 5), np.array([0, 1, 2]), rows, last_only=False)
-    wire = s.to_wire({"rank": 0}, spill_target(str(tmp_path)))
+    target = spill_target(str(tmp_path))
+    probe = [target["probe"]]                                # the frontend's marker file
+    wire = s.to_wire({"rank": 0}, target)
     assert set(wire) == {"path"} and os.path.dirname(wire["path"]) == str(tmp_path)
     pts, meta = points_from_bytes(open_wire(wire))
-    assert not os.listdir(tmp_path)                          # unlinked once mapped
+    assert os.listdir(tmp_path) == probe                     # unlinked once mapped
     assert meta == {"rank": 0} and pts[3][0].tolist() == [0, 1, 2]
     assert torch.equal(pts[3][1], rows[:3]) and torch.equal(pts[5][1], rows[3:])
     assert pts[5][1].dtype == torch.bfloat16
     stale = s.to_wire({}, spill_target(str(tmp_path)))["path"]
     os.utime(stale, (0, 0))
     fresh = s.to_wire({}, spill_target(str(tmp_path)))["path"]
-    assert sweep_spilled(str(tmp_path), max_age_s=600) == 1 and os.listdir(tmp_path) == [os.path.basename(fresh)]
+    assert sweep_spilled(str(tmp_path), max_age_s=600) == 1
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(fresh), *probe])
     os.unlink(fresh)
-    elsewhere = {"host": "another-host", "dir": str(tmp_path)}
+    # A frontend whose probe this worker cannot see (another container, another host).
+    elsewhere = {"dir": str(tmp_path), "probe": "vllm_hook-probe-of-someone-else"}
     assert set(s.to_wire({}, elsewhere)) == {"blob"}
+    os.unlink(tmp_path / probe[0])                           # swept: the next fetch re-makes one
+    assert set(s.to_wire({}, spill_target(str(tmp_path)))) == {"path"}
     assert set(s.to_wire({}, spill_target(str(tmp_path / "missing")))) == {"blob"}
     assert set(s.to_wire({}, None)) == {"blob"}
     empty = RequestStore()
     empty.add((1,), np.array([], dtype=np.int64), torch.zeros(0, 4), last_only=False)
     pts, _ = points_from_bytes(open_wire(empty.to_wire({}, spill_target(str(tmp_path)))))
     assert pts[1][1].shape == (0, 4)
+    for f in os.listdir(tmp_path):
+        if "probe" not in f:
+            os.unlink(tmp_path / f)
 
 
 def test_store_splits_point_major_blocks_per_point():

@@ -10,10 +10,10 @@ serialisation and copies.
 
 from __future__ import annotations
 
+import atexit
 import json
 import mmap
 import os
-import socket
 import time
 import uuid
 import warnings
@@ -80,9 +80,10 @@ class RequestStore:
         return st_save(self._tensors(), metadata={"vllm_hook": json.dumps(meta)})
 
     def to_wire(self, meta: dict, spill: dict | None) -> dict[str, Any]:
-        """{"blob": bytes}, or {"path": file} when `spill` ({"host", "dir"} from the frontend)
-        names this host and a writable directory."""
-        if spill and spill.get("host") == socket.gethostname() and os.access(spill.get("dir", ""), os.W_OK):
+        """{"blob": bytes}, or {"path": file} when this process sees the frontend's probe file
+        in the spill directory (`spill_target`): same host, same /dev/shm (a hostname alone
+        does not prove that across containers)."""
+        if spill and _sees(spill):
             path = os.path.join(spill["dir"], f"{SPILL_PREFIX}{uuid.uuid4().hex}.safetensors")
             try:
                 st_save_file(self._tensors(), path, metadata={"vllm_hook": json.dumps(meta)})
@@ -93,9 +94,38 @@ class RequestStore:
         return {"blob": self.to_bytes(meta)}
 
 
+_PROBES: dict[str, str] = {}
+
+
 def spill_target(directory: str | None) -> dict | None:
-    """What the frontend sends with a fetch: its host and the directory to spill into."""
-    return {"host": socket.gethostname(), "dir": directory} if directory else None
+    """What the frontend sends with a fetch: the directory to spill into and the name of an
+    empty probe file it keeps there (re-made if swept), or None when it cannot write there."""
+    if not directory:
+        return None
+    probe = _PROBES.get(directory)
+    if probe is None or not os.path.exists(os.path.join(directory, probe)):
+        probe = f"{SPILL_PREFIX}probe-{uuid.uuid4().hex}"
+        path = os.path.join(directory, probe)
+        try:
+            open(path, "xb").close()
+        except OSError:
+            return None
+        _PROBES[directory] = probe
+        atexit.register(_remove, path)
+    return {"dir": directory, "probe": probe}
+
+
+def _sees(spill: dict) -> bool:
+    d, probe = spill.get("dir") or "", spill.get("probe") or ""
+    return (probe.startswith(SPILL_PREFIX) and os.path.exists(os.path.join(d, probe))
+            and os.access(d, os.W_OK))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def sweep_spilled(directory: str, max_age_s: float) -> int:
@@ -110,7 +140,7 @@ def sweep_spilled(directory: str, max_age_s: float) -> int:
         path = os.path.join(directory, name)
         try:
             if now - os.path.getmtime(path) > max_age_s:
-                os.unlink(path)
+                os.unlink(path)                   # a live frontend re-makes its probe
                 n += 1
         except OSError:
             pass                                  # another engine swept it first
