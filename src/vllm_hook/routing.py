@@ -109,14 +109,41 @@ def route_step(
     pool_rows: int,
 ) -> StepRouting:
     """Fill `op_idx` [T, op columns] (pre-zeroed) and `cap_idx` [T, points] (pre-filled with trash rows)
-    for the requests in `entries`; return where each captured row lands in the pool."""
+    for the requests in `entries`; return where each captured row lands in the pool.
+
+    A decode row (one row per request) takes a path without per-request numpy calls, and the
+    steering entries of all decode rows are written with one indexed assignment: host time per
+    step is what grows with the batch."""
     out = StepRouting()
+    one_rows: list[int] = []                  # decode rows' steering: row, columns, values
+    one_cols: list[np.ndarray] = []
+    one_vals: list[np.ndarray] = []
     for owner, routes, rows in entries:
         if rows.count <= 0:
             continue
+        P = routes.prompt_len
+        if rows.count == 1:
+            p, row = rows.first_pos, rows.start
+            for sel, pos, cols, values in routes.steer_groups:
+                if selected_mask(sel, pos, p, P):
+                    one_rows.append(row)
+                    one_cols.append(cols)
+                    one_vals.append(values)
+            for sels, pool, last_only, points, point_ids in routes.capture_groups:
+                if not any(selected_mask(sel, pos, p, P) for sel, pos in sels):
+                    continue
+                used = out.pool_used.get(pool, 0)
+                if used + len(point_ids) > pool_rows:
+                    if owner not in out.overflow:
+                        out.overflow.append(owner)
+                    continue
+                cap_idx[row, points] = _offsets(len(point_ids)) + used
+                out.segments.append(Segment(owner, point_ids, used, np.array([p], dtype=np.int64),
+                                            last_only, pool, np.array([row], dtype=np.int64)))
+                out.pool_used[pool] = used + len(point_ids)
+            continue
         positions = rows.first_pos + np.arange(rows.count, dtype=np.int64)
         batch_rows = rows.start + np.arange(rows.count, dtype=np.int64)
-        P = routes.prompt_len
         for sel, pos, cols, values in routes.steer_groups:
             m = selected_mask(sel, pos, positions, P)
             if m.any():
@@ -143,4 +170,16 @@ def route_step(
             out.segments.append(Segment(owner, point_ids, used, positions[m], last_only, pool,
                                         sel_rows))
             out.pool_used[pool] = used + total
+    if one_rows:
+        counts = [len(c) for c in one_cols]
+        op_idx[np.repeat(np.array(one_rows, dtype=np.int64), counts), np.concatenate(one_cols)] = \
+            np.concatenate(one_vals)
+        out.steered_upto = max(out.steered_upto, max(one_rows) + 1)
     return out
+
+
+_ARANGE = np.arange(4096, dtype=np.int64)
+
+
+def _offsets(n: int) -> np.ndarray:
+    return _ARANGE[:n] if n <= len(_ARANGE) else np.arange(n, dtype=np.int64)

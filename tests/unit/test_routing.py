@@ -91,3 +91,69 @@ def test_points_with_one_selection_share_a_point_major_segment():
     # point g's rows are g*2 + [0, 1]
     assert cap[1:, [1, 3, 5]].tolist() == [[0, 2, 4], [1, 3, 5]]
     assert r.pool_used == {0: 6}
+
+
+def _route_row_by_row(entries, T, cols, points, pool_rows):
+    """Reference: every row and route on its own, selectors via spec.resolve.selected_mask."""
+    from vllm_hook.spec.resolve import selected_mask
+
+    op, cap = np.zeros((T, cols), np.int64), np.full((T, points), 999, np.int64)
+    used, segs, overflow = {}, [], []
+    for owner, routes, rows in entries:
+        for i in range(rows.count):
+            row, p = rows.start + i, np.array([rows.first_pos + i])
+            for r in routes.steer:
+                if selected_mask(r.sel, r.pos, p, routes.prompt_len)[0]:
+                    op[row, r.col] = r.entry
+        for sels, pool, last, pts, ids in routes.capture_groups:
+            picked = [rows.first_pos + i for i in range(rows.count)
+                      if any(selected_mask(s, q, np.array([rows.first_pos + i]), routes.prompt_len)[0]
+                             for s, q in sels)]
+            n, u = len(picked), used.get(pool, 0)
+            if not n:
+                continue
+            if u + n * len(ids) > pool_rows:
+                overflow.append(owner)
+                continue
+            for j, pos in enumerate(picked):
+                for g, pt in enumerate(ids):
+                    cap[rows.start + pos - rows.first_pos, pt] = u + g * n + j
+            segs.append((owner, ids, u, picked))
+            used[pool] = u + n * len(ids)
+    return op, cap, used, segs, overflow
+
+
+def test_routing_matches_a_row_by_row_reference_on_random_batches():
+    """Decode rows (one per request) take route_step's batched path, prefill chunks the
+    per-request one: both must place every op and capture row where the reference does."""
+    rng = np.random.default_rng(0)
+    sels = [("all", ()), ("prompt", ()), ("generated", ()), ("last_prompt", ()), ("last", ()),
+            ("pos", (0, 3, 9))]
+    n_points, cols = 12, L * K
+    for trial in range(200):
+        entries, start = [], 0
+        for r in range(rng.integers(1, 7)):
+            P = int(rng.integers(1, 12))
+            count = 1 if rng.random() < 0.6 else int(rng.integers(2, 6))
+            first = int(rng.integers(0, 15))
+            steer = tuple(SteerRoute(col=int(c), entry=int(100 * (r + 1) + c), sel=sels[k][0], pos=sels[k][1])
+                          for c, k in zip(rng.choice(cols, rng.integers(0, 4), replace=False),
+                                          rng.integers(0, len(sels), 4)))
+            capture = tuple(CaptureRoute(point=int(pt), sels=(sels[int(rng.integers(0, len(sels)))],),
+                                         pool=int(rng.integers(0, 2)))
+                            for pt in rng.choice(n_points, rng.integers(0, 4), replace=False))
+            entries.append((f"r{r}", RequestRoutes(P, steer=steer, capture=capture), Rows(start, count, first)))
+            start += count
+        T = start + 2                                         # padding rows
+        pool_rows = int(rng.integers(4, 40))
+        op, cap = np.zeros((T, cols), np.int64), np.full((T, n_points), 999, np.int64)
+        got = route_step(entries, op, cap, pool_rows)
+        ref_op, ref_cap, ref_used, ref_segs, ref_over = _route_row_by_row(entries, T, cols, n_points, pool_rows)
+        assert np.array_equal(op, ref_op), trial
+        assert np.array_equal(cap, ref_cap), trial
+        assert {k: v for k, v in got.pool_used.items() if v} == {k: v for k, v in ref_used.items() if v}
+        assert [(s.owner, s.points, s.pool_start, s.positions.tolist()) for s in got.segments] == \
+            [(o, ids, u, picked) for o, ids, u, picked in ref_segs], trial
+        assert got.overflow == list(dict.fromkeys(ref_over)), trial
+        steered = [i for i in range(T) if op[i].any()]
+        assert got.steered_upto >= (steered[-1] + 1 if steered else 0)

@@ -258,10 +258,12 @@ def _needs_early_prompt(cap: dict, prompt_len: int) -> bool:
     return False
 
 
-def selected_mask(sel: str, pos_list, positions: np.ndarray, prompt_len: int) -> np.ndarray:
-    """Which of `positions` a selector picks (shared by routing and result assembly)."""
+def selected_mask(sel: str, pos_list, positions, prompt_len: int):
+    """Which of `positions` a selector picks (shared by routing and result assembly): a bool
+    array for an array of positions, a bool for one int position (a decode row; no numpy)."""
+    one = isinstance(positions, int)
     if sel == "all":
-        return np.ones(positions.shape, dtype=bool)
+        return True if one else np.ones(positions.shape, dtype=bool)
     if sel == "prompt":
         return positions < prompt_len
     if sel == "generated":
@@ -272,5 +274,5 @@ def selected_mask(sel: str, pos_list, positions: np.ndarray, prompt_len: int) ->
         # The positions whose output is sampled: the last prompt token and every generated one.
         return positions >= prompt_len - 1
     if sel == "pos":
-        return np.isin(positions, np.asarray(pos_list, dtype=positions.dtype))
+        return positions in pos_list if one else np.isin(positions, np.asarray(pos_list, dtype=positions.dtype))
     raise ValueError(f"unknown selector {sel!r}")
