@@ -30,9 +30,10 @@ ENGINES = {
     "native": {"native": True},
     "lean": {"additional_config": {"vllm_hook": {}}},
     "capture_only": {"additional_config": {"vllm_hook": {"steer_layers": None}}},
-    # Without Inductor's bounds asserts on indexed loads and stores (HookConfig.index_asserts);
-    # native_noassert shows what that alone does to native's own kernels.
-    "lean_noassert": {"additional_config": {"vllm_hook": {"index_asserts": False}}},
+    # With Inductor's bounds asserts on indexed loads and stores (HookConfig.index_asserts; the
+    # default is off, run 12's "lean_noassert"); native_noassert shows what turning them off
+    # alone does to native's own kernels.
+    "lean_asserts": {"additional_config": {"vllm_hook": {"index_asserts": True}}},
     "native_noassert": {"native": True,
                         "compilation_config": {"inductor_compile_config": {"assert_indirect_indexing": False}}},
 }

@@ -23,8 +23,7 @@ from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
-from ..delivery.store import spill_target
-from ..frontend.delivery import RPC, merge_ranks, results_for
+from ..frontend.delivery import RPC, fetch_args, merge_ranks, results_for
 from ..frontend.state import FrontendState, maybe_state, state_of
 from ..results import ATTR, Results
 from ..server import encode
@@ -87,8 +86,7 @@ async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Resu
     entries: list[dict] = []
     try:
         if res.items:
-            replies = await engine.collective_rpc(
-                RPC, args=("fetch", [res.key], True, spill_target(st.cfg.result_spill_dir)))
+            replies = await engine.collective_rpc(RPC, args=fetch_args(st, [res.key]))
             entries = merge_ranks(replies).get(res.key, [])
         # Forgotten only now: if the client goes away during the fetch, the abort that
         # follows still finds the request and discards its results on the workers.

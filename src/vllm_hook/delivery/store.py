@@ -3,9 +3,9 @@
 Rows arrive per step and per capture point with their token positions. A position can arrive
 twice (a preempted request recomputes its tokens): the newest copy wins. The wire format to
 the frontend is safetensors: `p{point}` [rows, hidden] and `p{point}.pos` [rows]. It travels
-as bytes in the RPC reply, or, when the frontend runs on the same host (the usual case), as a
-file in shared memory that the frontend maps and unlinks: large captures then skip the RPC's
-serialisation and copies.
+as bytes in the RPC reply, or, when the frontend shares the worker's /dev/shm (the usual
+case: same host and container), as a file there that the frontend maps and unlinks: large
+captures then skip the RPC's serialisation and copies.
 """
 
 from __future__ import annotations
@@ -160,17 +160,21 @@ def open_wire(entry: dict) -> Any:
     return buf
 
 
+def _header(buf: Any) -> tuple[dict, int]:
+    """The JSON header of safetensors bytes and where their data starts."""
+    n = int.from_bytes(buf[:8], "little")
+    return json.loads(bytes(buf[8:8 + n])), 8 + n
+
+
 def safetensors_metadata(buf: Any) -> dict:
     """The `__metadata__` of safetensors bytes, without reading the tensors."""
-    n = int.from_bytes(buf[:8], "little")
-    return json.loads(bytes(buf[8:8 + n])).get("__metadata__", {}) or {}
+    return _header(buf)[0].get("__metadata__", {}) or {}
 
 
 def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
     """Inverse of `RequestStore.to_bytes` (bytes or a mapped file): {point: (positions, rows)}
     and the metadata. Rows are read-only views of `buf`, not copies; positions are copied."""
-    n = int.from_bytes(buf[:8], "little")
-    header = json.loads(bytes(buf[8:8 + n]))
+    header, data = _header(buf)
     meta = json.loads((header.pop("__metadata__", None) or {}).get("vllm_hook", "{}"))
     tensors = {}
     with warnings.catch_warnings():
@@ -182,7 +186,7 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
                 t = torch.empty(shape, dtype=dtype)
             else:
                 t = torch.frombuffer(buf, dtype=dtype, count=(end - start) // dtype.itemsize,
-                                     offset=8 + n + start).view(shape)
+                                     offset=data + start).view(shape)
             tensors[name] = t.clone() if name.endswith(".pos") else t
     out = {}
     for name, t in tensors.items():

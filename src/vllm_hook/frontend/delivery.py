@@ -12,6 +12,11 @@ from .state import FrontendState
 RPC = "vllm_hook_call"
 
 
+def fetch_args(st: FrontendState, keys: list[str]) -> tuple:
+    """The RPC arguments that fetch (and forget) the workers' results of `keys`."""
+    return ("fetch", keys, spill_target(st.cfg.result_spill_dir))
+
+
 def checked(replies: Sequence[Any]) -> Sequence[Any]:
     """Raise the error a worker without an active runtime answers with (see worker_rpc)."""
     for reply in replies:
@@ -72,8 +77,7 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
     if not todo:
         return
     keys = [res.key for _, res in todo if res.items]
-    fetched = merge_ranks(rpc(RPC, args=("fetch", keys, True, spill_target(st.cfg.result_spill_dir)))) \
-        if keys else {}
+    fetched = merge_ranks(rpc(RPC, args=fetch_args(st, keys))) if keys else {}
     for out, res in todo:
         setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res))
 

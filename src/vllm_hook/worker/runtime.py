@@ -313,39 +313,33 @@ class HookRuntime:
             req.store.add(seg.points, seg.positions, rows, seg.last_only)
 
     # ---- RPC -------------------------------------------------------------------------------
-    def fetch(self, keys: list[str], drop: bool = True, spill: dict | None = None) -> dict[str, list[dict]]:
-        """Results of every request (n>1: every child) with one of `keys`, in safetensors: as
-        bytes, or as a file in `spill`'s directory when the frontend is on this host."""
+    def _take(self, keys: list[str]):
+        """Every unfetched request (n>1: every child) with one of `keys`, marked fetched and
+        forgotten as it is yielded (its steps may still be in flight: drain first)."""
         self.collector.drain(wait=True)
         wanted = set(keys)
-        out: dict[str, list[dict]] = {k: [] for k in keys}
-        for pool in (self.done, self.requests):
-            for rid, req in list(pool.items()):
-                if req.key not in wanted or req.fetched:
-                    continue
-                meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors,
-                        "rank": self.rank, "attn_heads": {str(k): v for k, v in req.attn_heads.items()},
-                        "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
-                        "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
-                out[req.key].append({"req_id": rid, **req.store.to_wire(meta, spill)})
-                if drop:
-                    req.fetched = True
-                    req.store = RequestStore()
-                    self.done.pop(rid, None)
-        return out
-
-    def discard(self, keys: list[str]) -> int:
-        """Drop the results of aborted requests (their steps may still be in flight)."""
-        self.collector.drain(wait=True)
-        wanted, n = set(keys), 0
         for pool in (self.done, self.requests):
             for rid, req in list(pool.items()):
                 if req.key in wanted and not req.fetched:
-                    req.fetched = True
-                    req.store = RequestStore()
+                    store, req.store, req.fetched = req.store, RequestStore(), True
                     self.done.pop(rid, None)
-                    n += 1
-        return n
+                    yield rid, req, store
+
+    def fetch(self, keys: list[str], spill: dict | None = None) -> dict[str, list[dict]]:
+        """Results of every request with one of `keys`, in safetensors: as bytes, or as a file
+        in `spill`'s directory when the frontend shares it (`delivery.store.spill_target`)."""
+        out: dict[str, list[dict]] = {k: [] for k in keys}
+        for rid, req, store in self._take(keys):
+            meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors,
+                    "rank": self.rank, "attn_heads": {str(k): v for k, v in req.attn_heads.items()},
+                    "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
+                    "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
+            out[req.key].append({"req_id": rid, **store.to_wire(meta, spill)})
+        return out
+
+    def discard(self, keys: list[str]) -> int:
+        """Drop the results of aborted requests, unserialised."""
+        return sum(1 for _ in self._take(keys))
 
     def register_vectors(self, vectors: dict[str, bytes]) -> list[str]:
         for name, raw in vectors.items():
