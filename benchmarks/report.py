@@ -60,13 +60,25 @@ def write_report(r: dict) -> str:
                          f"{x['capture_bytes'] / 2**20:.2f} |")
         lines += ["", "A 512-token prompt with captures delivered to host memory (end-to-end request "
                   "latency; target for all-layer all-token capture <= 2x native):", "",
-                  "| workload | generated tokens | native ms | plugin ms | ratio | captured MiB | capture MiB/s |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| workload | generated tokens | native ms | plugin ms | ratio | min | captured MiB | capture MiB/s |",
+                  "|---|---|---|---|---|---|---|---|"]
         for x in b["capture_e2e"]:
+            mn = (f"{min(x['plugin_times']) / min(x['native_times']):.2f}"
+                  if x.get("native_times") else "")
             lines.append(f"| {x.get('workload', 'capture_all_tokens_all_layers')} | {x['max_tokens']} | "
                          f"{1e3 * x['native_s']:.1f} | {1e3 * x['plugin_s']:.1f} | "
-                         f"{x['plugin_s'] / x['native_s']:.2f} | {x['capture_bytes'] / 2**20:.1f} | "
+                         f"{x['plugin_s'] / x['native_s']:.2f} | {mn} | {x['capture_bytes'] / 2**20:.1f} | "
                          f"{x['capture_bytes'] / 2**20 / x['plugin_s']:.0f} |")
+        staged = [x for x in b["capture_e2e"] if x.get("stages_ms")]
+        if staged:
+            names = list(staged[0]["stages_ms"])
+            lines += ["", "Delivery stages, mean ms per request (`vllm_hook.stats` timing; the frontend's "
+                      "fetch RPC contains the worker's fetch, which contains its write):", "",
+                      "| workload | generated tokens | " + " | ".join(names) + " |",
+                      "|---|---|" + "---|" * len(names)]
+            for x in staged:
+                lines.append(f"| {x['workload']} | {x['max_tokens']} | "
+                             + " | ".join(f"{x['stages_ms'][k]:.1f}" for k in names) + " |")
         s, f = b.get("plugin_stats", {}), b.get("plugin_full_stats", {})
         lines += ["", f"Plugin device buffers: {s.get('device_buffer_bytes', 0) / 2**20:.1f} MiB (lean), "
                   f"{f.get('device_buffer_bytes', 0) / 2**20:.1f} MiB (full)."]

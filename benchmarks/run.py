@@ -35,7 +35,7 @@ LOG_PATTERNS = {
 
 
 class Worker:
-    def __init__(self, name: str, cfg: dict, log_dir: Path):
+    def __init__(self, name: str, cfg: dict, log_dir: Path, cpus: list[int] | None = None):
         self.name = name
         self.log = open(log_dir / f"{name}.log", "w")
         env = dict(os.environ)
@@ -47,6 +47,10 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, str(HERE / "engine_worker.py"), json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
+        if cpus:
+            # Before the engine spawns its core process, which inherits it: engines alive
+            # together then never compete for the same cores (their idle threads spin).
+            os.sched_setaffinity(self.proc.pid, cpus)
         self.replies: queue.Queue = queue.Queue()
         self.figures: dict = {}
         self.tail: list[str] = []
@@ -90,8 +94,8 @@ class Worker:
             self.proc.kill()
 
 
-def start(name, model, llm_kwargs, log_dir, native=False, timeout=900) -> tuple[Worker, dict]:
-    w = Worker(name, {"model": model, "llm": llm_kwargs, "native": native}, log_dir)
+def start(name, model, llm_kwargs, log_dir, native=False, timeout=900, cpus=None) -> tuple[Worker, dict]:
+    w = Worker(name, {"model": model, "llm": llm_kwargs, "native": native}, log_dir, cpus)
     ready = w.wait(timeout)
     info = {"startup_s": ready["startup_s"], **w.figures, "stats": ready.get("stats", {})}
     print(f"[{name}] ready: {json.dumps({k: v for k, v in info.items() if k != 'stats'})}", flush=True)
@@ -156,13 +160,15 @@ ENGINE_OF = {"unused_full_engine": "plugin_full", "cap_1_layer": "plugin_full",
 
 def bench(workers: dict[str, Worker], L: int, args, save) -> dict:
     out: dict = {"tpot": [], "prefill": [], "capture_e2e": []}
-    native, lean, full = workers["native_graph"], workers["plugin_lean"], workers["plugin_full"]
+    native, lean = workers["native_graph"], workers["plugin_lean"]
     wl = workloads(L)
     wl["unused_full_engine"] = wl["unused"]
     wl["unused_capture_only_engine"] = wl["unused"]
     wl["capture_last_prompt_4_layers_capture_only_engine"] = wl["capture_last_prompt_4_layers"]
-    for c in args.concurrency:
-        for name, make in wl.items():
+    timed = {k: v for k, v in wl.items() if ENGINE_OF.get(k, "plugin_lean") in workers
+             and (not args.workloads or k in args.workloads)}
+    for c in args.concurrency if "tpot" in args.sections else ():
+        for name, make in timed.items():
             specs = [make(i) for i in range(c)]
             plugin = workers[ENGINE_OF.get(name, "plugin_lean")]
             for rep in range(args.reps):
@@ -177,7 +183,7 @@ def bench(workers: dict[str, Worker], L: int, args, save) -> dict:
                   f"  plugin {1e3 * median([r['plugin_s'] for r in rows]):7.3f} ms  x{ratio:.3f}", flush=True)
         save()
     plugin = lean
-    for plen in args.prefill_lens:
+    for plen in args.prefill_lens if "prefill" in args.sections else ():
         for name in ("unused", "capture_all_tokens_all_layers"):
             spec = wl[name](0)
             tn = native.call({"op": "time", "n": 1, "prompt_len": plen, "max_tokens": 1, "reps": args.reps + 2})
@@ -187,20 +193,42 @@ def bench(workers: dict[str, Worker], L: int, args, save) -> dict:
                                    "plugin_s": median(tp["times"]), "capture_bytes": tp["capture_bytes"]})
             print(f"  prefill {plen:4d} {name:32s} native {1e3 * median(tn['times']):7.2f} ms  plugin "
                   f"{1e3 * median(tp['times']):7.2f} ms", flush=True)
-    for gen, name in ((1, "capture_all_tokens_all_layers"), (16, "capture_all_tokens_all_layers"),
-                      (1, "attention_tracker_4_layers")):
+    e2e = [(1, "capture_all_tokens_all_layers"), (1, "capture_all_tokens_all_layers_model_dtype"),
+           (16, "capture_all_tokens_all_layers"), (1, "attention_tracker_4_layers")]
+    wl["capture_all_tokens_all_layers_model_dtype"] = lambda i: {
+        **wl["capture_all_tokens_all_layers"](i), "dtype": "model"}
+    for gen, name in e2e if "e2e" in args.sections else ():
+        if ENGINE_OF.get(name, "plugin_lean") not in workers:
+            continue
         spec = wl[name](0)
         plugin = workers[ENGINE_OF.get(name, "plugin_lean")]
         tn = native.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "reps": args.reps + 2})
+        before = plugin.call({"op": "stats"})["stats"]
         tp = plugin.call({"op": "time", "n": 1, "prompt_len": 512, "max_tokens": gen, "specs": [spec],
                           "reps": args.reps + 2})
+        stages = delivery_stages(before, plugin.call({"op": "stats"})["stats"])
         out["capture_e2e"].append({"workload": name, "prompt_len": 512, "max_tokens": gen,
-                                   "native_s": median(tn["times"]),
-                                   "plugin_s": median(tp["times"]), "capture_bytes": tp["capture_bytes"]})
+                                   "native_s": median(tn["times"]), "native_times": tn["times"],
+                                   "plugin_s": median(tp["times"]), "plugin_times": tp["times"],
+                                   "capture_bytes": tp["capture_bytes"], "stages_ms": stages})
         print(f"  e2e {name} 512 tok, {gen} gen: native {1e3 * median(tn['times']):.1f} ms, plugin "
               f"{1e3 * median(tp['times']):.1f} ms, {tp['capture_bytes'] / 2**20:.1f} MiB", flush=True)
     out["plugin_stats"] = lean.call({"op": "stats"})["stats"]
-    out["plugin_full_stats"] = full.call({"op": "stats"})["stats"]
+    if "plugin_full" in workers:
+        out["plugin_full_stats"] = workers["plugin_full"].call({"op": "stats"})["stats"]
+    return out
+
+
+def delivery_stages(before: dict, after: dict) -> dict:
+    """Mean ms per fetch of each delivery stage between two `vllm_hook.stats` snapshots:
+    the frontend's RPC (which contains the worker's fetch: draining copies, writing), its
+    read of the results and its build of `Results`."""
+    w0, w1 = before.get("timing", {}), after.get("timing", {})
+    f0, f1 = before.get("frontend", {}), after.get("frontend", {})
+    n = max(f1.get("fetches", 0) - f0.get("fetches", 0), 1)
+    out = {f"frontend {k[:-2]}": 1e3 * (f1.get(k, 0) - f0.get(k, 0)) / n
+           for k in ("fetch_rpc_s", "read_s", "build_s")}
+    out.update({f"worker {k[:-2]}": 1e3 * (w1.get(k, 0) - w0.get(k, 0)) / n for k in ("fetch_s", "write_s")})
     return out
 
 
@@ -304,6 +332,13 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gpu-mem", type=float, default=0.2)
+    ap.add_argument("--engines", nargs="+", help="bench: only these engines (native_graph and "
+                    "plugin_lean always run; plugin_capture_only, plugin_full)")
+    ap.add_argument("--workloads", nargs="+", help="bench: only these decode-time workloads")
+    ap.add_argument("--sections", nargs="+", default=["tpot", "prefill", "e2e"],
+                    choices=["tpot", "prefill", "e2e"], help="bench: which measurements")
+    ap.add_argument("--pin-cpus", action="store_true",
+                    help="give each engine its own equal share of this machine's cores")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -345,13 +380,20 @@ def main() -> None:
         plan += [("plugin_lean", False, {"additional_config": lean_cfg}),
                  ("plugin_capture_only", False, {"additional_config": {"vllm_hook": {
                      **lean_cfg["vllm_hook"], "steer_layers": None}}})]
-    plan += [("plugin_full", False, {"additional_config": full_cfg})]
+    if args.suite != "bench" or not args.engines or "plugin_full" in args.engines:
+        plan += [("plugin_full", False, {"additional_config": full_cfg})]
+    if args.suite == "bench" and args.engines:
+        plan = [p for p in plan if p[0] in ("native_graph", "plugin_lean", *args.engines)]
     if args.suite in ("check", "all"):
         plan += [("native_eager", True, {"enforce_eager": True}),
                  ("plugin_full_eager", False, {"enforce_eager": True, "additional_config": full_cfg})]
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // len(plan)
     try:
-        for name, native, extra in plan:
-            w, info = start(name, model, {**base, **extra}, out, native=native)
+        for i, (name, native, extra) in enumerate(plan):
+            cpus = cores[i * share:(i + 1) * share] if args.pin_cpus and share else None
+            w, info = start(name, model, {**base, **extra}, out, native=native, cpus=cpus)
+            info["cpus"] = cpus
             workers[name] = w
             result["startup"][name] = info
             if not native:

@@ -68,6 +68,9 @@ def test_one_bad_request_in_a_batch_fails_the_call_not_the_engine(llm):
     assert res(out).activations["resid_post"][0].shape[0] == len(ids) + 1
     s = vllm_hook.stats(llm)
     assert s["active"] <= 1 and s["results_waiting"] == 0
+    # Delivery timing, summed over fetches, on both sides.
+    assert s["timing"]["fetches"] >= 1 and s["timing"]["fetch_s"] > 0
+    assert s["frontend"]["fetches"] >= 1 and s["frontend"]["fetch_rpc_s"] > 0 and s["frontend"]["build_s"] > 0
 
 
 def test_registered_vectors_are_checked(llm):

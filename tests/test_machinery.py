@@ -36,7 +36,14 @@ def hf():
     return hf_ref.load(tiny_model("qwen2"))
 
 
-def test_chunked_prefill_capture_parity(llm, hf):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunked_prefill_capture_parity(llm, hf, threads, monkeypatch):
+    """threads=3: host copies split over copy threads (`hostmem.copy_many`), as on a GPU
+    host; tiny pieces so these small captures split too."""
+    from vllm_hook.delivery import hostmem
+
+    monkeypatch.setattr(hostmem, "COPY_THREADS", threads)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 256)
     ids = ids_of(llm, LONG)
     assert len(ids) > 3 * 16
     out = run(llm, [ids], [sp({"capture": ALL_SITES}, max_tokens=6)])[0]

@@ -27,6 +27,7 @@ import torch
 
 import vllm_hook
 from tests.helpers.common import rel_err, res, run, sp, vec
+from vllm_hook.delivery.spill import KEEP_FREE_BYTES
 from vllm_hook.server.store import ResultStore
 from vllm_hook.testing.tiny_models import tiny_model
 
@@ -456,8 +457,10 @@ def test_500_requests_leave_nothing_retained(server, client):
     assert h["pending_requests"] == 0
     w = h["workers"][0]
     assert w["retained_bytes"] == 0 and w["results_waiting"] == 0 and w["admitted"] == 0, w
-    left = [f for f in glob.glob("/dev/shm/vllm_hook-*") if "-probe-" not in f]
+    left = [f for f in glob.glob("/dev/shm/vllm_hook-*") if "-probe-" not in f and "-free-" not in f]
     assert not left, f"spilled result files left behind: {left[:3]}"
+    free = sum(os.path.getsize(f) for f in glob.glob("/dev/shm/vllm_hook-free-*"))
+    assert free <= KEEP_FREE_BYTES, f"{free} bytes of free spill files kept"      # kept for reuse
     print(f"500 requests in {elapsed:.1f} s")
 
 

@@ -23,8 +23,12 @@ def delete_vectors(llm: Any, names: list[str]) -> list[str]:
 
 
 def stats(llm: Any) -> dict:
-    """Worker-side counters of rank 0 (admitted requests, retained bytes, table use, ...)."""
-    return checked(llm.collective_rpc(RPC, args=("stats",)))[0]
+    """Worker-side counters of rank 0 (admitted requests, retained bytes, table use, seconds
+    spent in fetches, ...), and under "frontend" this process's delivery timing (seconds in
+    the fetch RPC, reading results, building `Results`, summed)."""
+    out = dict(checked(llm.collective_rpc(RPC, args=("stats",)))[0])
+    out["frontend"] = dict(_state(llm).timing)
+    return out
 
 
 __all__ = ["register_vectors", "delete_vectors", "stats"]

@@ -1,7 +1,7 @@
 """The public results object, built in the frontend from what workers captured.
 
-`activations[site][layer]` is a float32 CPU tensor [rows, hidden], rows in token order (prompt
-then generated). vLLM never runs the last sampled token through the model, so a request with
+`activations[site][layer]` is a CPU tensor [rows, hidden], float32 (or the model's dtype when
+the spec says `"dtype": "model"`), rows in token order (prompt then generated). vLLM never runs the last sampled token through the model, so a request with
 P prompt and G generated tokens has at most P + G - 1 rows. Rows vLLM may compute beyond that
 (a surplus step) are dropped here.
 """
@@ -22,6 +22,7 @@ from safetensors.torch import save as st_save
 
 from . import __version__
 from .delivery.store import safetensors_metadata
+from .delivery.hostmem import copy_many, host_empty
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
 from .spec.errors import HookRuntimeError
@@ -148,12 +149,15 @@ def _sharded(ranks, point: int, site: str, layer: int, head_size: int):
     return pos, t[:, order], [heads[i] for i in order]
 
 
-def build(blobs: bytes | list[bytes] | None, items: list[dict], points: PointTable, *, request_id: str,
+def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: PointTable, *, request_id: str,
           prompt_token_ids: list[int], output_token_ids: list[int], index: int = 0,
-          model: str = "", extra_errors: list[str] | None = None, head_size: int = 0) -> Results:
+          model: str = "", extra_errors: list[str] | None = None, head_size: int = 0,
+          dtype: str = "float32") -> Results:
     """Assemble a request's results from the workers' per-point rows (one blob per TP rank
-    that captured anything) and the spec's items."""
-    if isinstance(blobs, (bytes, bytearray)):
+    that captured anything) and the spec's items, in `dtype` ("float32", or "model": the
+    captured dtype). In the model dtype, rows of a blob the frontend owns (a uint8 tensor a
+    spilled file was read into) are used as they are; everything else is copied."""
+    if isinstance(blobs, (bytes, bytearray, torch.Tensor)):
         blobs = [blobs]
     pts, ranks, errors = _merge(list(blobs or []))
     P = len(prompt_token_ids)
@@ -162,6 +166,8 @@ def build(blobs: bytes | list[bytes] | None, items: list[dict], points: PointTab
                   token_ids=list(prompt_token_ids) + list(output_token_ids),
                   errors=errors + list(extra_errors or []))
     groups: dict[tuple[str, int], list[tuple[str, list[int]]]] = {}
+    copies: list[tuple[str, int, torch.Tensor]] = []
+    owned, used = bool(blobs) and all(isinstance(b, torch.Tensor) for b in blobs), set()
     wanted_heads: dict[tuple[str, int], set[int]] = {}
     for it in items:
         groups.setdefault((it["site"], it["layer"]), []).append((it["sel"], it["pos"]))
@@ -194,20 +200,33 @@ def build(blobs: bytes | list[bytes] | None, items: list[dict], points: PointTab
                 mask |= selected_mask(sel, plist, pos_np, P)
                 want |= selected_mask(sel, plist, np.arange(limit), P)
         if rows is None:
-            t = torch.zeros(0, 0)
+            res.activations.setdefault(site, {})[layer] = torch.zeros(0, 0)
         else:
             sel = keep.copy()
             sel[keep] = mask
-            # A copy either way: each site/layer owns its tensor (resid_pre L+1 and resid_post L
-            # are one captured point, and safetensors refuses tensors that share memory).
-            t = rows.to(torch.float32, copy=True) if sel.all() else rows[torch.from_numpy(sel)].float()
+            if sel.all() and dtype == "model" and owned and id(rows) not in used:
+                used.add(id(rows))                 # resid_pre L+1 is resid_post L: one view each
+                res.activations.setdefault(site, {})[layer] = rows
+            else:
+                copies.append((site, layer, rows if sel.all() else rows[torch.from_numpy(sel)]))
         got = pos_np[mask]
-        res.activations.setdefault(site, {})[layer] = t
         res.positions.setdefault(site, {})[layer] = torch.from_numpy(got.astype(np.int64))
-        missing = np.setdiff1d(np.nonzero(want)[0], got)
+        # got is a subset of want, without repeats: equal counts mean nothing is missing
+        missing = np.setdiff1d(np.nonzero(want)[0], got) if len(got) != want.sum() else ()
         if len(missing):
             res.errors.append(f"{site} layer {layer}: {len(missing)} selected rows were not "
                               f"captured (positions {missing[:8].tolist()}...)")
+    # Copies, each site/layer its own (resid_pre L+1 and resid_post L are one captured point),
+    # into one block of host memory: the blobs are handed back after this.
+    out = [torch.float32 if dtype == "float32" else rows.dtype for _, _, rows in copies]
+    sizes = [-(-rows.numel() * dt.itemsize // 64) * 64 for (_, _, rows), dt in zip(copies, out)]
+    block, at, pairs = host_empty((sum(sizes),), torch.uint8), 0, []
+    for (site, layer, rows), dt, size in zip(copies, out, sizes):
+        t = block[at:at + rows.numel() * dt.itemsize].view(dt).view(rows.shape)
+        res.activations.setdefault(site, {})[layer] = t
+        pairs.append((t, rows))
+        at += size
+    copy_many(pairs)
     return res
 
 

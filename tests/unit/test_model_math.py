@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -90,60 +91,102 @@ def test_store_newest_copy_wins_and_roundtrip():
 def test_store_falls_back_to_the_rpc_when_the_spill_fails(tmp_path, monkeypatch):
     import os
 
-    from safetensors import SafetensorError
+    from vllm_hook.delivery import spill
 
-    from vllm_hook.delivery import store
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")          # a container's 64 MiB /dev/shm
 
-    def full(tensors, path, metadata=None):
-        open(path, "wb").write(b"partial")
-        raise SafetensorError("No space left on device")      # a container's 64 MiB /dev/shm
-
-    monkeypatch.setattr(store, "st_save_file", full)
+    monkeypatch.setattr(spill.os, "posix_fallocate", full)
     s = RequestStore()
     s.add((0,), np.arange(3), torch.ones(3, 4), last_only=False)
-    target = store.spill_target(str(tmp_path))
+    target = spill.spill_target(str(tmp_path))
     wire = s.to_wire({}, target)
     assert set(wire) == {"blob"} and os.listdir(tmp_path) == [target["probe"]]   # no partial file
-    assert points_from_bytes(store.open_wire(wire))[0][0][1].shape == (3, 4)
+    assert points_from_bytes(spill.open_entry(wire))[0][0][1].shape == (3, 4)
+
+
+def _spilled(tmp_path):
+    return sorted(f for f in os.listdir(tmp_path) if "probe" not in f)
 
 
 def test_store_spills_to_a_shared_file_on_the_same_host_only(tmp_path):
-    import os
+    from safetensors.torch import load_file
 
-    from vllm_hook.delivery.store import open_wire, spill_target, sweep_spilled
+    from vllm_hook.delivery.spill import open_entry, spill_target, sweep_spilled
 
     s = RequestStore()
     rows = torch.arange(12, dtype=torch.float32).reshape(6, 2).to(torch.bfloat16)
     s.add((3, 5), np.array([0, 1, 2]), rows, last_only=False)
     target = spill_target(str(tmp_path))
-    probe = [target["probe"]]                                # the frontend's marker file
     wire = s.to_wire({"rank": 0}, target)
     assert set(wire) == {"path"} and os.path.dirname(wire["path"]) == str(tmp_path)
-    pts, meta = points_from_bytes(open_wire(wire))
-    assert os.listdir(tmp_path) == probe                     # unlinked once mapped
+    assert set(load_file(wire["path"])) == {"p3", "p3.pos", "p5", "p5.pos"}   # plain safetensors
+    buf = open_entry(wire)                       # read into private memory, file handed back
+    (free,) = _spilled(tmp_path)
+    assert free.startswith("vllm_hook-free-")
+    capacity = os.path.getsize(tmp_path / free)
+    pts, meta = points_from_bytes(buf)
     assert meta == {"rank": 0} and pts[3][0].tolist() == [0, 1, 2]
     assert torch.equal(pts[3][1], rows[:3]) and torch.equal(pts[5][1], rows[3:])
     assert pts[5][1].dtype == torch.bfloat16
-    stale = s.to_wire({}, spill_target(str(tmp_path)))["path"]
+    # A smaller result reuses the file (same size: a pad tensor fills the tail); what the
+    # frontend read before is its own memory, untouched.
+    small = RequestStore()
+    small.add((1,), np.array([7]), torch.ones(1, 2), last_only=False)
+    wire = small.to_wire({}, target)
+    assert _spilled(tmp_path) == [os.path.basename(wire["path"])]
+    assert os.path.getsize(wire["path"]) == capacity
+    assert set(load_file(wire["path"])) == {"p1", "p1.pos", "__pad__"}
+    buf = open_entry(wire)
+    assert len(buf) < capacity                   # read up to the pad, not the whole file
+    got, _ = points_from_bytes(buf)
+    assert list(got) == [1] and got[1][0].tolist() == [7] and got[1][1].tolist() == [[1.0, 1.0]]
+    assert torch.equal(pts[3][1], rows[:3]) and torch.equal(pts[5][1], rows[3:])
+    # A larger one grows it.
+    big = RequestStore()
+    big.add((2,), np.arange(100), torch.randn(100, 64), last_only=False)
+    wire = big.to_wire({}, target)
+    got, _ = points_from_bytes(open_entry(wire))
+    assert torch.equal(got[2][1], big.points()[2][1])
+    assert len(_spilled(tmp_path)) == 1
+    # The sweep deletes stale files, free or not.
+    stale = s.to_wire({}, target)["path"]
     os.utime(stale, (0, 0))
-    fresh = s.to_wire({}, spill_target(str(tmp_path)))["path"]
+    fresh = s.to_wire({}, target)["path"]
     assert sweep_spilled(str(tmp_path), max_age_s=600) == 1
-    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(fresh), *probe])
+    assert _spilled(tmp_path) == [os.path.basename(fresh)]
     os.unlink(fresh)
     # A frontend whose probe this worker cannot see (another container, another host).
     elsewhere = {"dir": str(tmp_path), "probe": "vllm_hook-probe-of-someone-else"}
     assert set(s.to_wire({}, elsewhere)) == {"blob"}
-    os.unlink(tmp_path / probe[0])                           # swept: the next fetch re-makes one
+    os.unlink(tmp_path / target["probe"])        # swept: the next fetch re-makes one
     assert set(s.to_wire({}, spill_target(str(tmp_path)))) == {"path"}
     assert set(s.to_wire({}, spill_target(str(tmp_path / "missing")))) == {"blob"}
     assert set(s.to_wire({}, None)) == {"blob"}
     empty = RequestStore()
     empty.add((1,), np.array([], dtype=np.int64), torch.zeros(0, 4), last_only=False)
-    pts, _ = points_from_bytes(open_wire(empty.to_wire({}, spill_target(str(tmp_path)))))
-    assert pts[1][1].shape == (0, 4)
-    for f in os.listdir(tmp_path):
-        if "probe" not in f:
-            os.unlink(tmp_path / f)
+    wire = empty.to_wire({}, spill_target(str(tmp_path)))
+    assert points_from_bytes(open_entry(wire))[0][1][1].shape == (0, 4)
+    for f in _spilled(tmp_path):
+        os.unlink(tmp_path / f)
+
+
+def test_spill_keeps_a_bounded_total_of_free_files(tmp_path, monkeypatch):
+    from vllm_hook.delivery import spill
+
+    monkeypatch.setattr(spill, "KEEP_FREE_BYTES", 4000)
+    target = spill.spill_target(str(tmp_path))
+    wires = []
+    for _ in range(3):
+        s = RequestStore()
+        s.add((0,), np.arange(100), torch.ones(100, 2), last_only=False)     # 1768-byte files
+        wires.append(s.to_wire({}, target))
+    for w in wires:
+        spill.open_entry(w)
+    free = [f for f in _spilled(tmp_path) if f.startswith(spill.FREE)]
+    assert len(free) == 2 == len(_spilled(tmp_path))
+    for f in free:
+        os.unlink(tmp_path / f)
 
 
 def test_store_splits_point_major_blocks_per_point():
@@ -185,3 +228,61 @@ def test_per_layer_views_are_16_byte_aligned(K):
     # the logical view the router writes through is the columns the layers read
     cap_points(bufs.cap_idx)[3, 4] = 7
     assert int(bufs.cap_col(4)[3]) == 7
+
+
+def test_results_are_float32_or_the_captured_dtype_and_own_their_memory(tmp_path):
+    from vllm_hook.delivery.spill import open_entry, spill_target
+    from vllm_hook.model.layout import PointTable
+    from vllm_hook.results import build
+
+    table = PointTable(2, ("resid_post", "resid_pre"))
+    items = [{"site": "resid_post", "layer": 0, "sel": "all", "pos": []},
+             {"site": "resid_pre", "layer": 1, "sel": "all", "pos": []},      # the same point
+             {"site": "resid_post", "layer": 1, "sel": "last", "pos": []}]
+    p0, p1 = table.col("resid_post", 0), table.col("resid_post", 1)
+    rows = torch.randn(2 * 4, 3).to(torch.bfloat16)
+    s = RequestStore()
+    s.add((p0, p1), np.arange(4), rows, last_only=False)
+    target = spill_target(str(tmp_path))
+    for dtype, want, spill in (("float32", torch.float32, target), ("model", torch.bfloat16, target),
+                               ("model", torch.bfloat16, None)):
+        wire = s.to_wire({"rank": 0}, spill)
+        r = build([open_entry(wire)], items, table, request_id="r", prompt_token_ids=[5, 6, 7],
+                  output_token_ids=[8, 9], dtype=dtype)
+        post0, pre1 = r.activations["resid_post"][0], r.activations["resid_pre"][1]
+        assert post0.dtype == pre1.dtype == r.activations["resid_post"][1].dtype == want
+        assert torch.equal(post0.float(), rows[:4].float()) and torch.equal(pre1, post0)
+        assert post0.data_ptr() != pre1.data_ptr()
+        assert torch.equal(r.activations["resid_post"][1].float(), rows[7:8].float())
+        assert r.ok, r.errors
+        post0 += 1                                 # writable, and only this tensor changes
+        assert not torch.equal(pre1, post0)
+        r.save(tmp_path / f"{dtype}.safetensors")   # no two tensors share memory
+    assert [f for f in os.listdir(tmp_path) if f.startswith("vllm_hook-free-")]
+
+
+def test_copy_many_splits_large_copies_over_threads(monkeypatch, tmp_path):
+    from vllm_hook.delivery import hostmem
+
+    monkeypatch.setattr(hostmem, "COPY_THREADS", 4)
+    monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1000)
+    srcs = [torch.randn(300, 7).to(torch.bfloat16), torch.arange(5000, dtype=torch.uint8),
+            torch.randn(0, 3), torch.randn(1, 2000)]
+    pairs = [(hostmem.host_empty(s.shape, torch.float32 if s.is_floating_point() else s.dtype), s)
+             for s in srcs]
+    hostmem.copy_many(pairs)
+    for d, s in pairs:
+        assert torch.equal(d, s.to(d.dtype))
+    big = hostmem.host_empty((5 << 20,), torch.uint8)            # huge-page path, 2 MiB aligned
+    assert big.data_ptr() % hostmem.HUGE == 0 and big.is_contiguous()
+    with torch.inference_mode():        # as in vLLM's worker: its tensors are inference tensors
+        dst, src = torch.empty(4000), torch.randn(4000)
+        hostmem.copy_many([(dst, src)])
+    assert torch.equal(dst, src)
+    # File writes and reads in parallel pieces, at offsets.
+    data = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (7000, 1, 3333)]
+    with open(tmp_path / "f", "w+b") as f:
+        hostmem.write_from(f.fileno(), [(data[0], 0), (data[1], 7000), (data[2], 7001)])
+        back = hostmem.host_empty((10334,), torch.uint8)
+        hostmem.read_into(f.fileno(), back)
+    assert torch.equal(back, torch.cat(data))

@@ -54,6 +54,7 @@ def test_json_string_and_dict_agree():
     ({"steer": [{"op": "add", "layer": 0, "vector": {"b64": "@@", "dtype": "float32"}}]}, "steer[0].vector", "base64"),
     ({"steer": [{"op": "add", "layer": 0, "vector": {"b64": "AAAA", "dtype": "int8"}}]}, "steer[0].vector", "dtype"),
     ({"steer": [{"op": "add", "layer": 1, "vector": V}] * 3}, "steer[2].layer", "max_ops_per_layer"),
+    ({"capture": [{}], "dtype": "bf16"}, "dtype", '"model"'),
 ])
 def test_invalid_specs(spec, where, words):
     with pytest.raises(SpecError) as e:

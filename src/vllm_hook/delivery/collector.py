@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from ..routing import Segment, StepRouting
+from .hostmem import copy_many, host_empty
 
 Deliver = Callable[[Segment, torch.Tensor], None]
 
@@ -46,7 +47,9 @@ class Collector:
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         self.bytes_copied += t.numel() * t.element_size()
         if not self.on_device:
-            return t.clone()
+            host = host_empty(t.shape, t.dtype)
+            copy_many([(host, t)])
+            return host
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         return host
@@ -61,10 +64,14 @@ class Collector:
             self._hand_over(hosts, segments, extras)
 
     def _hand_over(self, hosts, segments: list[Segment], extras) -> None:
-        for seg in segments:
-            part = hosts[seg.pool][seg.pool_start:seg.pool_start + seg.num_rows]
-            # clone: pinned memory is scarce; keep it only while the copy is in flight
-            self.deliver(seg, part.clone() if self.on_device else part)
+        parts = [hosts[seg.pool][seg.pool_start:seg.pool_start + seg.num_rows] for seg in segments]
+        if self.on_device:
+            # copied out: pinned memory is scarce; keep it only while the copy is in flight
+            pairs = [(host_empty(p.shape, p.dtype), p) for p in parts]
+            copy_many(pairs)
+            parts = [d for d, _ in pairs]
+        for seg, part in zip(segments, parts):
+            self.deliver(seg, part)
         for seg, t in extras:
             self.deliver(seg, t)
 

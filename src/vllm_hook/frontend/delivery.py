@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..delivery.store import open_wire, spill_target
+from ..delivery.spill import open_entry, spill_target
 from ..results import ATTR, Results, build
 from .state import FrontendState
 
@@ -47,22 +48,32 @@ def results_for(st: FrontendState, output: Any, entries: list[dict], res) -> Res
     outs = list(getattr(output, "outputs", []) or [])
     n = max(len(outs), 1)
     by_index: dict[int, list] = {}
-    for e in entries:          # every entry opened first: spilled files are unlinked on open
-        by_index.setdefault(child_index(e["req_id"], n), []).append(open_wire(e))
+    lost: dict[int, list[str]] = {}
+    t0 = time.perf_counter()
+    for e in entries:
+        i = child_index(e["req_id"], n)
+        try:
+            by_index.setdefault(i, []).append(open_entry(e))
+        except OSError as err:          # the spilled file vanished (e.g. deleted by hand)
+            lost.setdefault(i, []).append(f"the captured results could not be read: {err}")
+    t1 = time.perf_counter()
     built = []
     for i, comp in enumerate(outs or [None]):
         idx = getattr(comp, "index", i) if comp is not None else 0
         blobs = by_index.get(idx)
-        errs = [] if blobs or not res.items else [
-            "no captures arrived from the workers for this request"]
+        errs = lost.get(idx, []) + ([] if blobs or not res.items else [
+            "no captures arrived from the workers for this request"])
         r = build(blobs, res.items, st.points, request_id=str(output.request_id),
                   prompt_token_ids=list(output.prompt_token_ids or []),
                   output_token_ids=list(comp.token_ids) if comp is not None else [],
-                  index=idx, model=st.info.name, extra_errors=errs, head_size=st.info.head_dim)
+                  index=idx, model=st.info.name, extra_errors=errs, head_size=st.info.head_dim,
+                  dtype=res.dtype)
         if res.save_dir:
             suffix = f"_{idx}" if n > 1 else ""
             r.save(Path(res.save_dir) / f"{output.request_id}{suffix}.safetensors")
         built.append(r)
+    st.timing["read_s"] += t1 - t0
+    st.timing["build_s"] += time.perf_counter() - t1
     return built[0] if n == 1 else built
 
 
@@ -77,7 +88,10 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
     if not todo:
         return
     keys = [res.key for _, res in todo if res.items]
+    t = time.perf_counter()
     fetched = merge_ranks(rpc(RPC, args=fetch_args(st, keys))) if keys else {}
+    st.timing["fetch_rpc_s"] += time.perf_counter() - t
+    st.timing["fetches"] += bool(keys)
     for out, res in todo:
         setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res))
 

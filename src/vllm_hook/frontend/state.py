@@ -26,6 +26,9 @@ class FrontendState:
     max_model_len: int
     names: dict[str, str] = field(default_factory=dict)        # name -> digest
     pending: dict[str, tuple[float, Resolved]] = field(default_factory=dict)
+    # Seconds spent delivering results, summed: where a large capture's time goes.
+    timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("fetches", "fetch_rpc_s", "read_s", "build_s"), 0.0))
 
     def add_pending(self, request_id: str, res: Resolved) -> None:
         now = time.monotonic()

@@ -60,6 +60,7 @@ class Resolved:
     steer_digest: str | None
     reads_cached_prefix: bool
     items: list[dict] = field(default_factory=list)
+    dtype: str = "float32"
 
 
 def _selector(sel: Selector, prompt_len: int, where: str) -> tuple[str, list[int]]:
@@ -246,7 +247,7 @@ def resolve(
     wire = {"v": WIRE_VERSION, "key": key, "P": prompt_len, "cap": wire_cap, "steer": wire_steer}
     return Resolved(wire=wire, key=key, prompt_len=prompt_len,
                     save_dir=spec.save.dir if spec.save else None, steer_digest=steer_digest,
-                    reads_cached_prefix=reads_cached_prefix, items=items)
+                    reads_cached_prefix=reads_cached_prefix, items=items, dtype=spec.dtype)
 
 
 def _needs_early_prompt(cap: dict, prompt_len: int) -> bool:

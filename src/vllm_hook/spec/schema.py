@@ -83,6 +83,9 @@ class HookSpec(_Model):
     capture: list[CaptureItem] = Field(default_factory=list)
     steer: list[SteerOp] = Field(default_factory=list)
     save: SaveSpec | None = None
+    # The dtype of the delivered tensors: float32, or the dtype the model computes in ("model":
+    # no conversion, half the bytes of float32 for a bf16 model).
+    dtype: Literal["float32", "model"] = "float32"
 
     @property
     def is_empty(self) -> bool:
@@ -119,6 +122,8 @@ def _first_error(err: ValidationError) -> SpecError:
     elif "tokens" in str(e["loc"]):
         fix = ('use "all", "prompt", "generated", "last_prompt", "last" or a list of '
                "token positions (negative counts from the end of the prompt)")
+    elif e["loc"] == ("dtype",):
+        fix = 'use "float32" (the default) or "model" (the dtype the model computes in)'
     elif "heads" in str(e["loc"]):
         fix = 'use a list of head indices, "all", or {"<layer>": [heads]}'
     elif "layers" in str(e["loc"]) or "layer" in str(e["loc"]):

@@ -17,7 +17,8 @@ import torch
 from ..adapters.base import AttnLayer, SchedulerEvents, StepView
 from ..config import HookConfig
 from ..delivery.collector import Collector
-from ..delivery.store import RequestStore, sweep_spilled
+from ..delivery.spill import sweep_spilled
+from ..delivery.store import RequestStore
 from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, route_step
@@ -43,6 +44,12 @@ class HookRequest:
     attn_jobs: dict[int, list[AttnJob]] = field(default_factory=dict)   # q point -> jobs
     attn_heads: dict[int, list[int]] = field(default_factory=dict)      # out point -> heads
     blocks: dict[int, list[int]] = field(default_factory=dict)          # kv group -> block ids
+
+
+def _note(errors: list[str], msg: str) -> None:
+    """Record an error once: a failure that repeats every step is one message."""
+    if msg not in errors:
+        errors.append(msg)
 
 
 class _Staging:
@@ -100,6 +107,8 @@ class HookRuntime:
         self._step: StepRouting | None = None
         self._trash = (bufs.shape.pool_rows + np.arange(bufs.shape.max_tokens) % TRASH_ROWS)
         self.steps_routed = 0
+        # Seconds spent in fetches (draining copies, writing results), summed.
+        self.timing = dict.fromkeys(("fetches", "fetch_s", "write_s"), 0.0)
         if cfg.result_spill_dir:
             sweep_spilled(cfg.result_spill_dir, max_age_s=cfg.result_ttl_s)
 
@@ -130,7 +139,7 @@ class HookRuntime:
         except Exception as e:  # never take the engine down
             log.exception("vllm_hook: request bookkeeping failed")
             for r in self.active.values():
-                r.errors.append(f"internal error in vllm_hook bookkeeping: {e!r}")
+                _note(r.errors, f"internal error in vllm_hook bookkeeping: {e!r}")
 
     def _admit(self, req_id: str, wire: dict) -> None:
         P = int(wire["P"])
@@ -245,7 +254,7 @@ class HookRuntime:
         except Exception as e:
             log.exception("vllm_hook: routing failed; this step runs unhooked")
             for r in self.active.values():
-                r.errors.append(f"internal error in vllm_hook routing: {e!r}")
+                _note(r.errors, f"internal error in vllm_hook routing: {e!r}")
             self._reset_steering(view.num_tokens_padded)
 
     def _route(self, view: StepView) -> None:
@@ -279,8 +288,7 @@ class HookRuntime:
             msg = (f"capture incomplete: one step needed more than capture_pool_rows="
                    f"{self.bufs.shape.pool_rows} rows; raise additional_config "
                    "vllm_hook.capture_pool_rows or lower max_num_batched_tokens")
-            if msg not in req.errors:
-                req.errors.append(msg)
+            _note(req.errors, msg)
         for rid in finished_routing:
             self.active.pop(rid, None)
         self._step = routing
@@ -305,7 +313,7 @@ class HookRuntime:
         except Exception as e:
             log.exception("vllm_hook: capture copy failed")
             for seg in step.segments:
-                seg.owner.errors.append(f"internal error copying captures: {e!r}")
+                _note(seg.owner.errors, f"internal error copying captures: {e!r}")
 
     def _deliver(self, seg: Segment, rows: torch.Tensor) -> None:
         req: HookRequest = seg.owner
@@ -327,14 +335,19 @@ class HookRuntime:
 
     def fetch(self, keys: list[str], spill: dict | None = None) -> dict[str, list[dict]]:
         """Results of every request with one of `keys`, in safetensors: as bytes, or as a file
-        in `spill`'s directory when the frontend shares it (`delivery.store.spill_target`)."""
+        in `spill`'s directory when the frontend shares it (`delivery.spill`)."""
+        t0 = time.perf_counter()
         out: dict[str, list[dict]] = {k: [] for k in keys}
         for rid, req, store in self._take(keys):
+            t1 = time.perf_counter()
             meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors,
                     "rank": self.rank, "attn_heads": {str(k): v for k, v in req.attn_heads.items()},
                     "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
                     "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
             out[req.key].append({"req_id": rid, **store.to_wire(meta, spill)})
+            self.timing["write_s"] += time.perf_counter() - t1
+        self.timing["fetches"] += 1
+        self.timing["fetch_s"] += time.perf_counter() - t0
         return out
 
     def discard(self, keys: list[str]) -> int:
@@ -363,4 +376,5 @@ class HookRuntime:
             "copies_in_flight": self.collector.in_flight,
             "device_buffer_bytes": self.bufs.nbytes(),
             "steps_routed": self.steps_routed,
+            "timing": dict(self.timing),
         }

@@ -1,0 +1,91 @@
+"""What moving one large capture costs in host memory on this machine (no engine, no GPU).
+
+A 512-token all-layer capture of the Qwen2-1.5B shape is 42 MiB in bf16. Each stage of its
+delivery is a copy, and a copy into freshly allocated memory also pays a page fault per 4 KiB
+page, often several times the copy itself. This times the copies the delivery path can make:
+into fresh memory, into memory faulted in before, into anonymous memory advised to use huge
+pages, and into a new file in /dev/shm.
+
+    python benchmarks/host_memory.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import time
+import uuid
+
+import torch
+
+from vllm_hook.delivery.hostmem import host_empty
+
+ROWS, HIDDEN = 29 * 512, 1536
+
+
+def _best(fn, reps: int) -> str:
+    """Best and median ms of `reps` calls (a huge-page fault can stall on compaction)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return f"{1e3 * min(times):.1f} (median {1e3 * statistics.median(times):.1f})"
+
+
+def _plain_anon(nbytes: int, dtype, shape):
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(m, dtype=dtype).view(shape)
+
+
+def _shm_write(src: torch.Tensor, directory: str) -> None:
+    path = os.path.join(directory, f"vllm_hook-bench-{uuid.uuid4().hex}")
+    with open(path, "wb") as f:
+        f.write(src.view(torch.int16).numpy().data)
+    os.unlink(path)
+
+
+def measure(reps: int = 7, shm: str = "/dev/shm") -> dict[str, float]:
+    src = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
+    warm16, warm32 = torch.empty_like(src), torch.empty(src.shape)
+    out = {
+        "threads": torch.get_num_threads(),
+        "bf16 clone, fresh memory": _best(lambda: src.clone(), reps),
+        "bf16 copy, memory faulted in": _best(lambda: warm16.copy_(src), reps),
+        "bf16 copy, fresh anonymous mmap": _best(
+            lambda: _plain_anon(src.numel() * 2, src.dtype, src.shape).copy_(src), reps),
+        "bf16 copy, host_empty (huge pages)": _best(
+            lambda: host_empty(src.shape, src.dtype).copy_(src), reps),
+        "to float32, fresh memory": _best(lambda: src.float(), reps),
+        "to float32, memory faulted in": _best(lambda: warm32.copy_(src), reps),
+        "to float32, host_empty (huge pages)": _best(
+            lambda: host_empty(src.shape, torch.float32).copy_(src), reps),
+    }
+    if os.access(shm, os.W_OK):
+        out[f"bf16 write to a new file in {shm}"] = _best(lambda: _shm_write(src, shm), reps)
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            out["transparent_hugepage"] = f.read().strip()
+    except OSError:
+        pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    res = measure(args.reps)
+    for k, v in res.items():
+        print(f"{k:40s} {v} ms" if k != "threads" and "hugepage" not in k else f"{k:40s} {v}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

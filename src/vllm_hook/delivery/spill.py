@@ -1,0 +1,235 @@
+"""Results through shared memory: a worker writes a request's safetensors into a file in
+/dev/shm, the frontend reads it into its own memory and hands the file back for reuse.
+
+Only when the frontend shares the worker's /dev/shm (the usual case: same host and
+container): the worker must see an empty probe file the frontend keeps there; a hostname
+alone does not prove that across containers. Anything else (another host or container, an
+unwritable directory, a full /dev/shm) travels as bytes in the RPC reply instead.
+
+Why files are reused: writing into new tmpfs pages costs a page fault per 4 KiB page, several
+times the copy itself (23 ms for a 42 MiB capture on the H200 host, `benchmarks/host_memory.py`).
+A file handed back keeps its pages, so the next write into it is a plain copy. Handed-back
+files are named `vllm_hook-free-{frontend pid}-*`; a worker claims one by renaming it (atomic,
+so two workers never write one file). Up to `KEEP_FREE_BYTES` of them are kept per directory;
+the frontend deletes those still free when it exits, and stale ones are swept when an engine
+starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from .hostmem import host_empty, read_into, write_from
+
+PREFIX = "vllm_hook-"
+FREE = PREFIX + "free-"
+KEEP_FREE_BYTES = 1 << 30
+PAD = "__pad__"       # covers the unused tail of a reused, larger file: it stays valid safetensors
+ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+             torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+_PROBES: dict[str, str] = {}
+_HANDING_BACK: set[str] = set()
+
+
+# ---- frontend ------------------------------------------------------------------------------
+def spill_target(directory: str | None) -> dict | None:
+    """What the frontend sends with a fetch: the directory to spill into and the name of an
+    empty probe file it keeps there (re-made if swept), or None when it cannot write there."""
+    if not directory:
+        return None
+    probe = _PROBES.get(directory)
+    if probe is None or not os.path.exists(os.path.join(directory, probe)):
+        probe = f"{PREFIX}probe-{uuid.uuid4().hex}"
+        path = os.path.join(directory, probe)
+        try:
+            open(path, "xb").close()
+        except OSError:
+            return None
+        _PROBES[directory] = probe
+        atexit.register(_unlink, path)
+    return {"dir": directory, "probe": probe}
+
+
+def open_entry(entry: dict) -> Any:
+    """The buffer of a fetched entry: its bytes, or its spilled file read into private
+    huge-page memory (a uint8 tensor: results may view it) and handed back for reuse."""
+    if "blob" in entry:
+        return entry["blob"]
+    path = entry["path"]
+    try:
+        with open(path, "rb", buffering=0) as f:
+            n = int.from_bytes(f.read(8), "little")
+            pad = json.loads(f.read(n)).get(PAD)
+            # A reused file may be much larger than this result: read up to its pad only.
+            size = 8 + n + pad["data_offsets"][0] if pad else os.fstat(f.fileno()).st_size
+            buf = host_empty((size,), torch.uint8)
+            read_into(f.fileno(), buf)
+    finally:
+        hand_back(path)
+    return buf
+
+
+def hand_back(path: str) -> None:
+    """Offer a read file for reuse (deleted instead beyond the kept total)."""
+    directory = os.path.dirname(path)
+    try:
+        if _free_bytes(directory) + os.path.getsize(path) > KEEP_FREE_BYTES:
+            _unlink(path)
+            return
+        os.rename(path, os.path.join(directory, f"{FREE}{os.getpid()}-{uuid.uuid4().hex}"))
+    except OSError:
+        _unlink(path)
+        return
+    if directory not in _HANDING_BACK:
+        _HANDING_BACK.add(directory)
+        atexit.register(_remove_own_free_files, directory)
+
+
+def _remove_own_free_files(directory: str) -> None:
+    """At exit: the free files this process named (those no worker claimed since)."""
+    mine = f"{FREE}{os.getpid()}-"
+    for name in _listdir(directory):
+        if name.startswith(mine):
+            _unlink(os.path.join(directory, name))
+
+
+# ---- worker --------------------------------------------------------------------------------
+def sees(spill: dict | None) -> bool:
+    """Whether this process shares the frontend's spill directory (sees its probe file)."""
+    if not spill:
+        return False
+    d, probe = spill.get("dir") or "", spill.get("probe") or ""
+    return (probe.startswith(PREFIX) and os.path.exists(os.path.join(d, probe))
+            and os.access(d, os.W_OK))
+
+
+def write_spilled(tensors: dict[str, torch.Tensor], metadata: dict[str, str], directory: str) -> str:
+    """Write `tensors` as safetensors into a reused or new file in `directory`; its path.
+    Raises OSError (nothing left behind) when the directory is full or gone: new pages are
+    allocated up front (fallocate), so a full tmpfs fails here, not part way."""
+    header, size = _layout(tensors, metadata)
+    path = os.path.join(directory, f"{PREFIX}{uuid.uuid4().hex}.safetensors")
+    capacity = _claim(directory, size, path)
+    if capacity is not None and capacity > size:
+        header, size = _layout(tensors, metadata, pad_to=capacity)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if capacity is None or capacity < size:
+                os.posix_fallocate(fd, 0, size)     # ENOSPC here, cleanly, when tmpfs is full
+            elif capacity > size:
+                os.ftruncate(fd, size)              # no room for the pad entry: a few bytes
+            parts, offset = [(torch.frombuffer(bytearray(header), dtype=torch.uint8), 0)], len(header)
+            for t in tensors.values():
+                n = t.numel() * t.element_size()
+                if n:
+                    parts.append((t.contiguous().view(-1).view(torch.uint8), offset))
+                offset += n
+            write_from(fd, parts)
+        finally:
+            os.close(fd)
+        os.utime(path)
+    except BaseException:
+        _unlink(path)
+        raise
+    return path
+
+
+def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+            pad_to: int = 0) -> tuple[bytes, int]:
+    """The safetensors header (8-byte length + JSON, space-padded to 8) and the file's size.
+    With `pad_to`, a `__pad__` tensor fills the file up to that size where there is room."""
+    entries, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        entries[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + n]}
+        offset += n
+    entries["__metadata__"] = metadata
+
+    def encode(pad: int | None, length: int = 0) -> bytes:
+        extra = {} if pad is None else {PAD: {"dtype": "U8", "shape": [pad],
+                                              "data_offsets": [offset, offset + pad]}}
+        js = json.dumps({**entries, **extra}, separators=(",", ":")).encode()
+        js += b" " * max(length - len(js), -len(js) % 8)
+        return len(js).to_bytes(8, "little") + js
+
+    header = encode(None)
+    if pad_to:
+        # The longest the header can be with a pad (its size has at most pad_to's digits).
+        room = len(encode(pad_to))
+        n = pad_to - room - offset
+        if n > 0:
+            return encode(n, room - 8), pad_to
+    return header, len(header) + offset
+
+
+def _claim(directory: str, size: int, path: str) -> int | None:
+    """Rename a handed-back file to `path`: the smallest that holds `size` bytes, else the
+    largest. Its size, or None when there is none to claim."""
+    free = []
+    for name in _listdir(directory):
+        if name.startswith(FREE):
+            try:
+                free.append((os.path.getsize(os.path.join(directory, name)), name))
+            except OSError:
+                pass
+    fits = sorted(f for f in free if f[0] >= size) or sorted(free, reverse=True)
+    for cap, name in fits:
+        try:
+            os.rename(os.path.join(directory, name), path)
+            return cap
+        except OSError:          # another worker claimed it first
+            continue
+    return None
+
+
+def sweep_spilled(directory: str, max_age_s: float) -> int:
+    """Delete spilled files older than `max_age_s`: a frontend that died between a fetch and
+    opening its file left them (a live one opens its files within the fetch), or free files
+    nobody reused."""
+    n, now = 0, time.time()
+    for name in _listdir(directory):
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if now - os.path.getmtime(path) > max_age_s:
+                os.unlink(path)                   # a live frontend re-makes its probe
+                n += 1
+        except OSError:
+            pass                                  # another engine swept it first
+    return n
+
+
+def _free_bytes(directory: str) -> int:
+    total = 0
+    for name in _listdir(directory):
+        if name.startswith(FREE):
+            try:
+                total += os.path.getsize(os.path.join(directory, name))
+            except OSError:
+                pass
+    return total
+
+
+def _listdir(directory: str) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
