@@ -36,17 +36,18 @@ def hf():
     return hf_ref.load(tiny_model("qwen2"))
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_chunked_prefill_capture_parity(llm, hf, threads, monkeypatch):
-    """threads=3: host copies split over copy threads (`hostmem.copy_many`), as on a GPU
-    host; tiny pieces so these small captures split too."""
+@pytest.mark.parametrize("threads, dtype", [(1, "float32"), (3, "model")])
+def test_chunked_prefill_capture_parity(llm, hf, threads, dtype, monkeypatch):
+    """threads=3: host copies and file I/O split over copy threads (`hostmem`), as on a GPU
+    host, tiny pieces so these small captures split too; "model" dtype results are views of
+    the memory the results were read into (float32 here: the test model's dtype)."""
     from vllm_hook.delivery import hostmem
 
     monkeypatch.setattr(hostmem, "COPY_THREADS", threads)
     monkeypatch.setattr(hostmem, "CHUNK_BYTES", 256)
     ids = ids_of(llm, LONG)
     assert len(ids) > 3 * 16
-    out = run(llm, [ids], [sp({"capture": ALL_SITES}, max_tokens=6)])[0]
+    out = run(llm, [ids], [sp({"capture": ALL_SITES, "dtype": dtype}, max_tokens=6)])[0]
     r = res(out)
     seq = ids + list(out.outputs[0].token_ids)[:-1]
     ref, _ = hf_ref.activations(hf, seq)
