@@ -34,8 +34,8 @@ def main() -> None:
 
     import vllm_hook
 
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=min(4096, 2 * args.prompt_len), max_num_seqs=64, skip_tokenizer_init=True,
-              gpu_memory_utilization=args.gpu_mem, seed=0,
+    llm = LLM(args.model, dtype="bfloat16", max_model_len=min(4096, 2 * args.prompt_len), max_num_seqs=64,
+              skip_tokenizer_init=True, gpu_memory_utilization=args.gpu_mem, seed=0,
               additional_config={"vllm_hook": {"capture_pool_rows": 65536}})
     rng = random.Random(0)
     prompt = [{"prompt_token_ids": [rng.randrange(100, 50000) for _ in range(args.prompt_len)]}]

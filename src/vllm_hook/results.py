@@ -1,8 +1,9 @@
 """The public results object, built in the frontend from what workers captured.
 
 `activations[site][layer]` is a CPU tensor [rows, hidden], float32 (or the model's dtype when
-the spec says `"dtype": "model"`), rows in token order (prompt then generated). vLLM never runs the last sampled token through the model, so a request with
-P prompt and G generated tokens has at most P + G - 1 rows. Rows vLLM may compute beyond that
+the spec says `"dtype": "model"`), rows in token order (prompt then generated). vLLM never runs
+the last sampled token through the model, so a request with P prompt and G generated tokens
+has at most P + G - 1 rows. Rows vLLM may compute beyond that
 (a surplus step) are dropped here.
 """
 
@@ -149,8 +150,8 @@ def _sharded(ranks, point: int, site: str, layer: int, head_size: int):
     return pos, t[:, order], [heads[i] for i in order]
 
 
-def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: PointTable, *, request_id: str,
-          prompt_token_ids: list[int], output_token_ids: list[int], index: int = 0,
+def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: PointTable, *,
+          request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], index: int = 0,
           model: str = "", extra_errors: list[str] | None = None, head_size: int = 0,
           dtype: str = "float32") -> Results:
     """Assemble a request's results from the workers' per-point rows (one blob per TP rank
@@ -216,8 +217,9 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
         if len(missing):
             res.errors.append(f"{site} layer {layer}: {len(missing)} selected rows were not "
                               f"captured (positions {missing[:8].tolist()}...)")
-    # Copies, each site/layer its own (resid_pre L+1 and resid_post L are one captured point),
-    # into one block of host memory: the blobs are handed back after this.
+    # The rest is copied, each site/layer its own (resid_pre L+1 and resid_post L are one
+    # captured point), into one block of host memory: float32 conversions, rows of RPC bytes
+    # (read-only), selections.
     out = [torch.float32 if dtype == "float32" else rows.dtype for _, _, rows in copies]
     sizes = [-(-rows.numel() * dt.itemsize // 64) * 64 for (_, _, rows), dt in zip(copies, out)]
     block, at, pairs = host_empty((sum(sizes),), torch.uint8), 0, []
