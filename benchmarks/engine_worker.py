@@ -8,6 +8,7 @@ own log lines go to the same stream; the coordinator parses start-up figures fro
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -45,6 +46,8 @@ def main() -> None:
         import vllm_hook as hook
     stats = hook.stats(llm) if hook else {}
     reply({"ready": True, "startup_s": startup, "stats": stats, "vocab": vocab})
+
+    fresh = itertools.count()
 
     def run(cmd):
         n, plen, gen = cmd["n"], cmd["prompt_len"], cmd["max_tokens"]
@@ -86,7 +89,10 @@ def main() -> None:
             if op == "time":
                 times, tpots, nbytes = [], [], 0
                 for _ in range(cmd.get("reps", 1)):
-                    outs, dt, nbytes = run(cmd)
+                    # A new prompt every time: a repeated one would hit vLLM's prefix cache,
+                    # and requests that capture prompt positions skip reading it (runs 1 to
+                    # 16 timed cached native prefills against recomputed captures).
+                    outs, dt, nbytes = run({**cmd, "seed": 1 + next(fresh)})
                     times.append(dt)
                     tpots.append(decode_tpot(outs))
                 reply({"times": times, "decode_tpot": tpots, "capture_bytes": nbytes})
