@@ -81,7 +81,8 @@ def hand_back(path: str) -> None:
     """Offer a read file for reuse (deleted instead beyond the kept total)."""
     directory = os.path.dirname(path)
     try:
-        if _free_bytes(directory) + os.path.getsize(path) > KEEP_FREE_BYTES:
+        kept = sum(size for size, _ in _free_files(directory))
+        if kept + os.path.getsize(path) > KEEP_FREE_BYTES:
             _unlink(path)
             return
         os.rename(path, os.path.join(directory, f"{FREE}{os.getpid()}-{uuid.uuid4().hex}"))
@@ -175,13 +176,7 @@ def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
 def _claim(directory: str, size: int, path: str) -> int | None:
     """Rename a handed-back file to `path`: the smallest that holds `size` bytes, else the
     largest. Its size, or None when there is none to claim."""
-    free = []
-    for name in _listdir(directory):
-        if name.startswith(FREE):
-            try:
-                free.append((os.path.getsize(os.path.join(directory, name)), name))
-            except OSError:
-                pass
+    free = _free_files(directory)
     fits = sorted(f for f in free if f[0] >= size) or sorted(free, reverse=True)
     for cap, name in fits:
         try:
@@ -210,15 +205,16 @@ def sweep_spilled(directory: str, max_age_s: float) -> int:
     return n
 
 
-def _free_bytes(directory: str) -> int:
-    total = 0
+def _free_files(directory: str) -> list[tuple[int, str]]:
+    """(size, name) of the handed-back files in `directory`."""
+    out = []
     for name in _listdir(directory):
         if name.startswith(FREE):
             try:
-                total += os.path.getsize(os.path.join(directory, name))
-            except OSError:
+                out.append((os.path.getsize(os.path.join(directory, name)), name))
+            except OSError:      # claimed or swept meanwhile
                 pass
-    return total
+    return out
 
 
 def _listdir(directory: str) -> list[str]:
