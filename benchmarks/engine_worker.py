@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -48,6 +49,17 @@ def main() -> None:
     reply({"ready": True, "startup_s": startup, "stats": stats, "vocab": vocab})
 
     fresh = itertools.count()
+    steps: list[tuple[float, int]] = []      # (engine core's timestamp, request outputs) per step
+    core = llm.llm_engine.engine_core
+    get_output = core.get_output
+
+    def timed_get_output(*a, **k):
+        out = get_output(*a, **k)
+        if out.outputs:
+            steps.append((out.timestamp, len(out.outputs)))
+        return out
+
+    core.get_output = timed_get_output
 
     def run(cmd):
         n, plen, gen = cmd["n"], cmd["prompt_len"], cmd["max_tokens"]
@@ -56,6 +68,7 @@ def main() -> None:
         sps = [SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True, logprobs=cmd.get("logprobs"),
                               extra_args={"vllm_hook": s} if (s and hook) else None) for s in specs]
         torch.cuda.synchronize() if torch.cuda.is_available() else None
+        steps.clear()
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
         nbytes = 0
@@ -79,6 +92,30 @@ def main() -> None:
             per.append((m.last_token_ts - m.first_token_ts) / (k - 1))
         return sum(per) / len(per)
 
+    def step_tpot() -> tuple[float | None, list | None]:
+        """Median interval between consecutive engine-core steps in which every request of
+        the batch produced a token (decode steps; the first, prefill, step left out). The
+        timestamps are the core's own, one per step, so IPC and the frontend are left out,
+        and the median ignores the occasional stalled step that moves a mean."""
+        n = max((k for _, k in steps), default=0)
+        gaps = sorted(b[0] - a[0] for a, b in itertools.pairwise(steps[1:]) if a[1] == n and b[1] == n)
+        if not gaps:
+            return None, None
+        return statistics.median(gaps), [round(1e3 * gaps[int(q * (len(gaps) - 1))], 4) for q in (0.1, 0.5, 0.9)]
+
+    def step_host_us(before: dict, after: dict) -> float | None:
+        """The plugin's own host time per hooked step (worker rank 0), µs, between two stats."""
+        n = after.get("hooked_steps", 0) - before.get("hooked_steps", 0)
+        return 1e6 * (after.get("step_host_s", 0) - before.get("step_host_s", 0)) / n if n else None
+
+    def sm_clock() -> int | None:
+        """The GPU's current SM clock, MHz (NVML), where it can be read: a slow measurement
+        at a low clock is the GPU's, not the engine's."""
+        try:
+            return torch.cuda.clock_rate() if torch.cuda.is_available() else None
+        except Exception:
+            return None
+
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -87,15 +124,22 @@ def main() -> None:
                 reply({"bye": True})
                 break
             if op == "time":
-                times, tpots, nbytes = [], [], 0
+                times, tpots, step_tpots, spread, clocks, host_us, nbytes = [], [], [], [], [], [], 0
                 for _ in range(cmd.get("reps", 1)):
+                    before = hook.stats(llm)["timing"] if hook else None
                     # A new prompt every time: a repeated one would hit vLLM's prefix cache,
                     # and requests that capture prompt positions skip reading it (runs 1 to
                     # 16 timed cached native prefills against recomputed captures).
                     outs, dt, nbytes = run({**cmd, "seed": 1 + next(fresh)})
                     times.append(dt)
                     tpots.append(decode_tpot(outs))
-                reply({"times": times, "decode_tpot": tpots, "capture_bytes": nbytes})
+                    med, pct = step_tpot()
+                    step_tpots.append(med)
+                    spread.append(pct)
+                    clocks.append(sm_clock())
+                    host_us.append(step_host_us(before, hook.stats(llm)["timing"]) if hook else None)
+                reply({"times": times, "decode_tpot": tpots, "step_tpot": step_tpots, "capture_bytes": nbytes,
+                       "step_ms_p10_p50_p90": spread, "sm_clock_mhz": clocks, "step_host_us": host_us})
             elif op == "outputs":
                 outs, _, _ = run(cmd)
                 res = []

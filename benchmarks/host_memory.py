@@ -21,7 +21,8 @@ import uuid
 
 import torch
 
-from vllm_hook.delivery.hostmem import host_empty
+from vllm_hook.delivery import hostmem
+from vllm_hook.delivery.hostmem import copy_many, host_empty, read_into, write_mapped
 
 ROWS, HIDDEN = 29 * 512, 1536
 
@@ -48,6 +49,30 @@ def _shm_write(src: torch.Tensor, directory: str) -> None:
     os.unlink(path)
 
 
+def _reused_file(src: torch.Tensor, directory: str, reps: int) -> dict[str, str]:
+    """Writes into and reads from a file whose pages exist (a spill file handed back)."""
+    path = os.path.join(directory, f"vllm_hook-bench-{uuid.uuid4().hex}")
+    flat = src.view(-1).view(torch.uint8)
+    n = flat.numel()
+    view = memoryview(flat.numpy())
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, n)
+        step = -(-n // hostmem.COPY_THREADS)
+        jobs = [(os.pwrite, fd, view[a:a + step], a) for a in range(0, n, step)]
+        return {
+            "bf16 write to a reused file, one write()": _best(lambda: os.pwrite(fd, view, 0), reps),
+            f"bf16 write to a reused file, {len(jobs)} threads of write()": _best(
+                lambda: hostmem._in_threads(jobs), reps),
+            "bf16 write to a reused file, write_mapped": _best(lambda: write_mapped(fd, n, [(flat, 0)]), reps),
+            "bf16 read from the file, read_into host_empty": _best(
+                lambda: read_into(fd, host_empty((n,), torch.uint8)), reps),
+        }
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def measure(reps: int = 7, shm: str = "/dev/shm") -> dict[str, float]:
     src = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
     warm16, warm32 = torch.empty_like(src), torch.empty(src.shape)
@@ -64,8 +89,16 @@ def measure(reps: int = 7, shm: str = "/dev/shm") -> dict[str, float]:
         "to float32, host_empty (huge pages)": _best(
             lambda: host_empty(src.shape, torch.float32).copy_(src), reps),
     }
+    torch_parallel = hostmem._torch_parallel
+    try:
+        hostmem._torch_parallel = lambda: False
+        out["to float32, host_empty, copy threads"] = _best(
+            lambda: copy_many([(host_empty(src.shape, torch.float32), src)]), reps)
+    finally:
+        hostmem._torch_parallel = torch_parallel
     if os.access(shm, os.W_OK):
         out[f"bf16 write to a new file in {shm}"] = _best(lambda: _shm_write(src, shm), reps)
+        out.update(_reused_file(src, shm, reps))
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             out["transparent_hugepage"] = f.read().strip()

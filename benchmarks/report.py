@@ -30,16 +30,22 @@ def write_report(r: dict) -> str:
     b = r.get("bench")
     if b:
         methods = {x.get("method", "wall_difference") for x in b["tpot"]}
-        how = ("from the engine core's token timestamps, (last - first) / (tokens - 1) per request, "
-               "mean over the batch" if methods == {"engine_timestamps"} else "(W(gen+1) - W(1)) / gen")
+        how = {"step": "the median interval between the engine core's decode steps (its own "
+                       "per-step output timestamps)",
+               "timestamps": "from vLLM's per-request token timestamps, (last - first) / (tokens - 1) "
+                             "per request, mean over the batch",
+               "engine_timestamps": "from vLLM's per-request token timestamps"}.get(
+            methods.pop() if len(methods) == 1 else "", "(W(gen+1) - W(1)) / gen")
         lines += [f"Decode time per output token, {how}. Native is the median of every "
                   "native measurement at that concurrency (taken alternately with the plugin's, "
                   "throughout the run); plugin the median of its reps; `paired` is the median of "
                   "plugin/native over the adjacent pairs; `min` is the plugin's fastest rep over "
-                  "native's fastest of the measurements paired with them (host noise only ever adds time). "
+                  "native's fastest of the measurements paired with them (host noise only ever adds time); "
+                  "`ts` is the median ratio by vLLM's per-request token timestamps, for comparison; `host µs` "
+                  "the plugin's own host time per hooked step (worker, `vllm_hook.stats` timing), median. "
                   + _spread(b["tpot"]), "",
-                  "| workload | engine | concurrency | native ms | plugin ms | ratio | paired | min | target |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| workload | engine | concurrency | native ms | plugin ms | ratio | paired | min | ts | host µs | target |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         order = list(dict.fromkeys(x["workload"] for x in b["tpot"]))
         keys = sorted({(x["workload"], x["concurrency"]) for x in b["tpot"]}, key=lambda k: (order.index(k[0]), k[1]))
         for w, c in keys:
@@ -48,10 +54,14 @@ def write_report(r: dict) -> str:
             p = _med([x["plugin_s"] for x in rows])
             paired = _med([x["plugin_s"] / x["native_s"] for x in rows])
             mn = min(x["plugin_s"] for x in rows) / min(x["native_s"] for x in rows)
+            ts = [x["plugin_ts_s"] / x["native_ts_s"] for x in rows if "native_ts_s" in x]
+            ts = f"{_med(ts):.3f}" if ts else ""
+            hu = [x["plugin_step_host_us"] for x in rows if x.get("plugin_step_host_us") is not None]
+            hu = f"{_med(hu):.0f}" if hu else ""
             t = TARGETS.get(w)
             verdict = "" if t is None else (f"<= {t:.2f} {'met' if p / n <= t else 'MISSED'}")
             lines.append(f"| {w} | {rows[0].get('engine', 'plugin')} | {c} | {1e3 * n:.3f} | {1e3 * p:.3f} | "
-                         f"{p / n:.3f} | {paired:.3f} | {mn:.3f} | {verdict} |")
+                         f"{p / n:.3f} | {paired:.3f} | {mn:.3f} | {ts} | {hu} | {verdict} |")
         lines += ["", "Prefill latency (one request, max_tokens=1, wall time of generate + results):", "",
                   "| prompt tokens | workload | native ms | plugin ms | ratio | captured MiB |", "|---|---|---|---|---|---|"]
         for x in b["prefill"]:

@@ -139,15 +139,22 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def tpot(w: Worker, n, plen, gen, specs, reps):
-    """Decode time per output token of a batch of n, median of reps. From the engine core's
-    per-request token timestamps when vLLM reports them (log stats on): no prefill, no
-    per-call overhead, no subtraction of two noisy walls. Else (W(gen+1) - W(1)) / gen."""
+def tpot(w: Worker, n, plen, gen, specs, reps) -> dict:
+    """Decode time per output token of a batch of n, median of reps, by up to three methods:
+    `step` (the median interval between the engine core's decode steps: robust to a stalled
+    step, no IPC), `timestamps` (vLLM's per-request first/last token times: a mean, so one
+    stall moves it) and `wall` ((W(gen+1) - W(1)) / gen, when neither is reported)."""
     b = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": gen + 1, "specs": specs, "reps": reps})
-    if all(t is not None for t in b.get("decode_tpot", [None])):
-        return median(b["decode_tpot"]), median(b["times"]), "engine_timestamps"
-    a = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": 1, "specs": specs, "reps": reps})
-    return (median(b["times"]) - median(a["times"])) / gen, median(b["times"]), "wall_difference"
+    res = {"wall_s": median(b["times"]), "step_pct": (b.get("step_ms_p10_p50_p90") or [None])[0],
+           "sm_clock": (b.get("sm_clock_mhz") or [None])[0], "host_us": (b.get("step_host_us") or [None])[0]}
+    for key, method in (("step_tpot", "step"), ("decode_tpot", "timestamps")):
+        if all(t is not None for t in b.get(key) or [None]):
+            res[method] = median(b[key])
+    if not ("step" in res or "timestamps" in res):
+        a = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": 1, "specs": specs, "reps": reps})
+        res["wall"] = (median(b["times"]) - median(a["times"])) / gen
+    res["method"] = next(m for m in ("step", "timestamps", "wall") if m in res)
+    return res
 
 
 # Workloads run on the default ("lean") plugin engine, except: those that need opt-in features
@@ -172,11 +179,17 @@ def bench(workers: dict[str, Worker], L: int, args, save) -> dict:
             specs = [make(i) for i in range(c)]
             plugin = workers[ENGINE_OF.get(name, "plugin_lean")]
             for rep in range(args.reps):
-                tn, wn, method = tpot(native, c, args.prompt_len, args.gen, None, 1)
-                tp, wp, _ = tpot(plugin, c, args.prompt_len, args.gen, specs, 1)
-                out["tpot"].append({"workload": name, "concurrency": c, "rep": rep, "native_s": tn,
-                                    "plugin_s": tp, "native_wall_s": wn, "plugin_wall_s": wp,
-                                    "engine": plugin.name, "method": method})
+                rn = tpot(native, c, args.prompt_len, args.gen, None, 1)
+                rp = tpot(plugin, c, args.prompt_len, args.gen, specs, 1)
+                m = rn["method"]
+                row = {"workload": name, "concurrency": c, "rep": rep, "native_s": rn[m], "plugin_s": rp[m],
+                       "native_wall_s": rn["wall_s"], "plugin_wall_s": rp["wall_s"], "engine": plugin.name,
+                       "method": m, "native_step_ms_p10_p50_p90": rn["step_pct"],
+                       "plugin_step_ms_p10_p50_p90": rp["step_pct"], "native_sm_mhz": rn["sm_clock"],
+                       "plugin_sm_mhz": rp["sm_clock"], "plugin_step_host_us": rp["host_us"]}
+                if "timestamps" in rn and "timestamps" in rp:
+                    row.update(native_ts_s=rn["timestamps"], plugin_ts_s=rp["timestamps"])
+                out["tpot"].append(row)
             rows = [r for r in out["tpot"] if r["workload"] == name and r["concurrency"] == c]
             ratio = median([r["plugin_s"] for r in rows]) / median([r["native_s"] for r in rows])
             print(f"  tpot c={c:<3} {name:32s} native {1e3 * median([r['native_s'] for r in rows]):7.3f} ms"

@@ -26,6 +26,7 @@ def test_benchmark_suite_smoke(tmp_path, engines):
     workloads = {x["workload"] for x in r["bench"]["tpot"]}
     assert {"unused", "steer_add_1_layer", "cap_1_layer", "capture_all_tokens_all_layers",
             "mixed_thirds", "attention_tracker_4_layers", "unused_capture_only_engine"} <= workloads
+    assert all(x["method"] == "step" for x in r["bench"]["tpot"])   # the engine core's step timestamps
     assert all(x["capture_bytes"] > 0 for x in r["bench"]["capture_e2e"])
     report = (tmp_path / "report.md").read_text()
     assert "| unused | plugin_lean |" in report and "attention_tracker_4_layers" in report

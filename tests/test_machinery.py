@@ -44,6 +44,7 @@ def test_chunked_prefill_capture_parity(llm, hf, threads, dtype, monkeypatch):
     from vllm_hook.delivery import hostmem
 
     monkeypatch.setattr(hostmem, "COPY_THREADS", threads)
+    monkeypatch.setattr(hostmem, "_torch_parallel", lambda: False)
     monkeypatch.setattr(hostmem, "CHUNK_BYTES", 256)
     ids = ids_of(llm, LONG)
     assert len(ids) > 3 * 16

@@ -220,6 +220,8 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
     # The rest is copied, each site/layer its own (resid_pre L+1 and resid_post L are one
     # captured point), into one block of host memory: float32 conversions, rows of RPC bytes
     # (read-only), selections.
+    # In the order the rows lie in the buffer they were read into: the copies then coalesce.
+    copies.sort(key=lambda c: (c[2].untyped_storage().data_ptr(), c[2].storage_offset()))
     out = [torch.float32 if dtype == "float32" else rows.dtype for _, _, rows in copies]
     sizes = [-(-rows.numel() * dt.itemsize // 64) * 64 for (_, _, rows), dt in zip(copies, out)]
     block, at, pairs = host_empty((sum(sizes),), torch.uint8), 0, []

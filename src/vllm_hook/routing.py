@@ -111,13 +111,16 @@ def route_step(
     """Fill `op_idx` [T, op columns] (pre-zeroed) and `cap_idx` [T, points] (pre-filled with trash rows)
     for the requests in `entries`; return where each captured row lands in the pool.
 
-    A decode row (one row per request) takes a path without per-request numpy calls, and the
-    steering entries of all decode rows are written with one indexed assignment: host time per
-    step is what grows with the batch."""
+    A decode row (one row per request) takes a path without per-request numpy writes: the
+    steering entries and the capture destinations of all decode rows are written with one
+    indexed assignment each, since host time per step is what grows with the batch."""
     out = StepRouting()
     one_rows: list[int] = []                  # decode rows' steering: row, columns, values
     one_cols: list[np.ndarray] = []
     one_vals: list[np.ndarray] = []
+    cap_rows: list[int] = []                  # decode rows' captures: row, points, pool rows
+    cap_cols: list[np.ndarray] = []
+    cap_vals: list[np.ndarray] = []
     for owner, routes, rows in entries:
         if rows.count <= 0:
             continue
@@ -137,7 +140,9 @@ def route_step(
                     if owner not in out.overflow:
                         out.overflow.append(owner)
                     continue
-                cap_idx[row, points] = _offsets(len(point_ids)) + used
+                cap_rows.append(row)
+                cap_cols.append(points)
+                cap_vals.append(_offsets(len(point_ids)) + used)
                 out.segments.append(Segment(owner, point_ids, used, np.array([p], dtype=np.int64),
                                             last_only, pool, np.array([row], dtype=np.int64)))
                 out.pool_used[pool] = used + len(point_ids)
@@ -170,6 +175,10 @@ def route_step(
             out.segments.append(Segment(owner, point_ids, used, positions[m], last_only, pool,
                                         sel_rows))
             out.pool_used[pool] = used + total
+    if cap_rows:
+        counts = [len(c) for c in cap_cols]
+        cap_idx[np.repeat(np.array(cap_rows, dtype=np.int64), counts), np.concatenate(cap_cols)] = \
+            np.concatenate(cap_vals)
     if one_rows:
         counts = [len(c) for c in one_cols]
         op_idx[np.repeat(np.array(one_rows, dtype=np.int64), counts), np.concatenate(one_cols)] = \

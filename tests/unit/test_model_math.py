@@ -266,6 +266,7 @@ def test_copy_many_splits_large_copies_over_threads(monkeypatch, tmp_path):
 
     monkeypatch.setattr(hostmem, "COPY_THREADS", 4)
     monkeypatch.setattr(hostmem, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(hostmem, "_torch_parallel", lambda: False)    # as in a vLLM worker
     srcs = [torch.randn(300, 7).to(torch.bfloat16), torch.arange(5000, dtype=torch.uint8),
             torch.randn(0, 3), torch.randn(1, 2000)]
     pairs = [(hostmem.host_empty(s.shape, torch.float32 if s.is_floating_point() else s.dtype), s)
@@ -279,10 +280,96 @@ def test_copy_many_splits_large_copies_over_threads(monkeypatch, tmp_path):
         dst, src = torch.empty(4000), torch.randn(4000)
         hostmem.copy_many([(dst, src)])
     assert torch.equal(dst, src)
-    # File writes and reads in parallel pieces, at offsets.
+    # File writes (through a mapping) and reads in parallel pieces, at offsets.
     data = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (7000, 1, 3333)]
     with open(tmp_path / "f", "w+b") as f:
-        hostmem.write_from(f.fileno(), [(data[0], 0), (data[1], 7000), (data[2], 7001)])
+        os.posix_fallocate(f.fileno(), 0, 10334)
+        hostmem.write_mapped(f.fileno(), 10334, [(data[0], 0), (data[1], 7000), (data[2], 7001)])
         back = hostmem.host_empty((10334,), torch.uint8)
         hostmem.read_into(f.fileno(), back)
     assert torch.equal(back, torch.cat(data))
+
+
+def test_collector_keeps_large_pinned_steps_within_a_budget(monkeypatch):
+    """On a GPU a prompt-sized step stays in its pinned buffer until its store lets it go
+    (no copy into fresh memory); small steps, and any beyond the budget, are copied out."""
+    import gc
+
+    import numpy as np
+
+    from vllm_hook.delivery import collector as col
+    from vllm_hook.routing import Segment
+
+    monkeypatch.setattr(col, "KEEP_PINNED_MIN", 64)
+    monkeypatch.setattr(col, "KEEP_PINNED_BYTES", 1000)
+    got: list = []
+    c = col.Collector([torch.zeros(100, 4)], lambda seg, rows: got.append(rows))
+    c.on_device = True                     # the hand-over a GPU takes, with CPU "pinned" blocks
+
+    def step(n_rows):
+        host = torch.randn(n_rows, 4)
+        seg = Segment(owner=None, points=(0,), pool_start=0, positions=np.arange(n_rows), last_only=False)
+        c._hand_over({0: host}, [seg], [])
+        return host
+
+    big = step(8)                          # 128 bytes: kept, a view of the pinned block
+    assert got[-1].data_ptr() == big.data_ptr() and c.pinned_kept == 128
+    small = step(2)                        # 32 bytes: copied out
+    assert got[-1].data_ptr() != small.data_ptr() and torch.equal(got[-1], small)
+    hosts = [step(8) for _ in range(7)]
+    assert c.pinned_kept == 7 * 128        # the 8th would pass the budget: copied out
+    assert got[-1].data_ptr() != hosts[-1].data_ptr() and torch.equal(got[-1], hosts[-1])
+    got.clear()
+    gc.collect()
+    assert c.pinned_kept == 0              # released as the stores drop their rows
+    # A small step of two requests: one copy, each request's rows a view of it.
+    host = torch.randn(3, 4)
+    segs = [Segment(owner=None, points=(0,), pool_start=0, positions=np.arange(1), last_only=False),
+            Segment(owner=None, points=(0,), pool_start=1, positions=np.arange(2), last_only=False)]
+    c._hand_over({0: host}, segs, [])
+    assert torch.equal(got[0], host[:1]) and torch.equal(got[1], host[1:])
+    assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr() != host.data_ptr()
+
+
+def test_table_writes_on_a_gpu_wait_for_the_flush_and_keep_the_last_write():
+    """On a GPU the op and vector rows of admitted requests are uploaded at the step's routing,
+    from pinned memory without waiting (a copy from ordinary memory synchronised the stream at
+    every admission, run 22); a row written twice before a flush ends with its last write."""
+    from vllm_hook.config import HookConfig
+    from vllm_hook.model.buffers import BufferShape, HookBuffers
+    from vllm_hook.model.layout import PointTable
+    from vllm_hook.worker.tables import DeviceTables
+
+    cfg = HookConfig()
+    shape = BufferShape.for_engine(num_layers=3, hidden=8, max_num_batched_tokens=16, max_num_seqs=4,
+                                   cfg=cfg, points=PointTable.for_config(3, cfg))
+    bufs = HookBuffers(shape, dtype=torch.float32, device=torch.device("cpu"))
+    t = DeviceTables(bufs)
+    t._on_device = True                             # queue as on a GPU (uploads stay on the CPU)
+    prm0, k = bufs.op_prm.clone(), bufs.op_prm.shape[1]
+    a = t.acquire_ops([[1.0] * k])
+    t.release_ops(a)
+    b = t.acquire_ops([[6.0] * k, [11.0] * k])
+    assert a[0] in b                                # the released row, written twice
+    v = t.acquire_vector("d", np.arange(1, 9, dtype=np.float32))
+    assert torch.equal(bufs.op_prm, prm0) and not bufs.unit[v].any()
+    t.flush()
+    assert bufs.op_prm[b[0]].tolist() == [6.0] * k and bufs.op_prm[b[1]].tolist() == [11.0] * k
+    assert torch.allclose(bufs.unit[v], torch.arange(1, 9.0) / torch.arange(1, 9.0).norm())
+    assert not t._ops and not t._vecs
+
+
+def test_coalesce_merges_copies_that_lie_back_to_back():
+    from vllm_hook.delivery.hostmem import coalesce, copy_many
+
+    src = torch.randn(4, 6).to(torch.bfloat16)
+    dst = torch.empty(4, 6)
+    pairs = [(dst[i], src[i]) for i in range(4)]
+    merged = coalesce(pairs)
+    assert len(merged) == 1 and merged[0][0].numel() == 24
+    gap = torch.empty(5, 6)                              # destination rows not back to back
+    assert len(coalesce([(gap[0], src[0]), (gap[2], src[1])])) == 2
+    other = torch.randn(6)                               # a source from another storage
+    assert len(coalesce([(dst[0], src[0]), (dst[1], other)])) == 2
+    copy_many(pairs)
+    assert torch.equal(dst, src.float())

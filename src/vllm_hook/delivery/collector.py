@@ -6,10 +6,17 @@ stores at the start of a later step or when results are fetched. The next forwar
 overwrite the pools only after the copies, by stream order. On the CPU the pools already are
 host memory: copy now. Besides pool rows, a step may deliver tensors computed after the
 forward (attention weights): `extras`.
+
+A large step (a prompt's rows) stays in its pinned buffer until the results are fetched,
+instead of being copied out: a copy into fresh host memory costs page faults, and the fetch
+can write the file it sends from pinned memory as well as from any. Pinned memory is locked
+RAM, so this holds at most KEEP_PINNED_BYTES at a time; beyond it, and for the small blocks of
+decode steps, rows are copied out as soon as their copy completes.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -19,6 +26,8 @@ from ..routing import Segment, StepRouting
 from .hostmem import copy_many, host_empty
 
 Deliver = Callable[[Segment, torch.Tensor], None]
+KEEP_PINNED_MIN = 4 << 20       # a step's pinned block this large is kept, not copied out
+KEEP_PINNED_BYTES = 1 << 30     # at most this much kept at a time
 
 
 class Collector:
@@ -28,6 +37,7 @@ class Collector:
         self.on_device = next(p for p in pools if p is not None).device.type != "cpu"
         self._pending: deque = deque()
         self.bytes_copied = 0
+        self.pinned_kept = 0
 
     def after_forward(self, routing: StepRouting, extras: list[tuple[Segment, torch.Tensor]] = ()) -> None:
         if not routing.segments and not extras:
@@ -64,16 +74,39 @@ class Collector:
             self._hand_over(hosts, segments, extras)
 
     def _hand_over(self, hosts, segments: list[Segment], extras) -> None:
-        parts = [hosts[seg.pool][seg.pool_start:seg.pool_start + seg.num_rows] for seg in segments]
-        if self.on_device:
-            # copied out: pinned memory is scarce; keep it only while the copy is in flight
-            pairs = [(host_empty(p.shape, p.dtype), p) for p in parts]
-            copy_many(pairs)
-            parts = [d for d, _ in pairs]
+        parts = self._keep_or_copy(hosts, segments) if self.on_device else [
+            hosts[seg.pool][seg.pool_start:seg.pool_start + seg.num_rows] for seg in segments]
         for seg, part in zip(segments, parts):
             self.deliver(seg, part)
         for seg, t in extras:
             self.deliver(seg, t)
+
+    def _keep_or_copy(self, hosts: dict[int, torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
+        """Each segment's rows: views of the pinned block (kept), or copied out of it."""
+        size = sum(h.numel() * h.element_size() for h in hosts.values())
+        if size < KEEP_PINNED_MIN:
+            # A decode step: one copy per pool for all its requests, whose rows are views of
+            # it (held until the last of them is fetched: a small block).
+            pairs = {pid: (host_empty(h.shape, h.dtype), h) for pid, h in hosts.items()}
+            copy_many(list(pairs.values()))
+            hosts = {pid: d for pid, (d, _) in pairs.items()}
+        parts = [hosts[seg.pool][seg.pool_start:seg.pool_start + seg.num_rows] for seg in segments]
+        if size < KEEP_PINNED_MIN:
+            return parts
+        if self.pinned_kept + size <= KEEP_PINNED_BYTES:
+            for p in parts:
+                n = p.numel() * p.element_size()
+                self.pinned_kept += n
+                weakref.finalize(p, self._release, n)     # when its store lets it go
+            return parts
+        # Beyond the budget: each request's rows copied on their own, so no request's rows
+        # keep a large block of others' alive.
+        pairs = [(host_empty(p.shape, p.dtype), p) for p in parts]
+        copy_many(pairs)
+        return [d for d, _ in pairs]
+
+    def _release(self, nbytes: int) -> None:
+        self.pinned_kept -= nbytes
 
     @property
     def in_flight(self) -> int:

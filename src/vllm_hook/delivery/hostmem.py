@@ -7,6 +7,9 @@ faults) where the kernel allows it (`transparent_hugepage` = always or madvise);
 the advice is ignored and this is an ordinary allocation. Where free memory is fragmented,
 the kernel may compact it to find a huge page, and that first touch stalls instead
 (`host_memory.py` reports the median next to the best time for that reason).
+
+Also here: the copies between such memory, files and the device (`copy_many`, `read_into`,
+`write_mapped`, `upload`).
 """
 
 from __future__ import annotations
@@ -38,20 +41,59 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
-# vLLM runs torch on one CPU thread while serving in most set-ups (spinning OpenMP threads
-# would contend with the engine), and file reads and writes run on one core anyway: large
-# copies are split over a few threads of the plugin's own instead (torch and the file calls
-# release the GIL while they copy).
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device` without waiting for the device: through pinned memory,
+    whose block torch's caching host allocator keeps until the copy is done (a copy from
+    ordinary memory waits for every step already queued on the stream)."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+# vLLM runs torch on one CPU thread in its workers in most set-ups (spinning OpenMP threads
+# would contend with the engine), and file reads run on one core anyway: there, large copies
+# are split over a few threads of the plugin's own (torch and the file calls release the GIL
+# while they copy). Where torch has threads of its own (a frontend process), it splits each
+# large copy itself, and threads of ours on top would oversubscribe the cores.
 COPY_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 CHUNK_BYTES = 1 << 20
 _pool: ThreadPoolExecutor | None = None
 
 
+def _torch_parallel() -> bool:
+    return torch.get_num_threads() > 1
+
+
+def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Merge runs of pairs whose sources and destinations both follow one another in memory
+    (contiguous, same storage and dtype) into one flat pair each: one large copy instead of
+    many (each torch copy is its own parallel region, and one slow thread holds up each)."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for d, s in pairs:
+        if out and d.numel() and _follows(out[-1][0], d) and _follows(out[-1][1], s):
+            pd, ps = out[-1]
+            out[-1] = (_flat(pd, pd.numel() + d.numel()), _flat(ps, ps.numel() + s.numel()))
+        else:
+            out.append((d, s))
+    return out
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous() and a.numel() > 0
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() + a.numel() == b.storage_offset())
+
+
+def _flat(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (n,), (1,))
+
+
 def copy_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """dst.copy_(src) for every (dst, src) pair (dtype conversion included), in parallel when
     the total is large. Pieces are row ranges of about CHUNK_BYTES."""
+    pairs = coalesce(pairs)
     total = sum(d.numel() * d.element_size() for d, _ in pairs)
-    if COPY_THREADS == 1 or total < 4 * CHUNK_BYTES:
+    if COPY_THREADS == 1 or total < 4 * CHUNK_BYTES or _torch_parallel():
         for d, s in pairs:
             d.copy_(s)
         return
@@ -76,14 +118,22 @@ def read_into(fd: int, dst: torch.Tensor, offset: int = 0) -> None:
     _in_threads([(_pread, fd, view[a:b], offset + a) for a, b in _pieces(len(view))])
 
 
-def write_from(fd: int, parts: list[tuple[torch.Tensor, int]]) -> None:
-    """Write each contiguous uint8 tensor of `parts` to file `fd` at its offset, in parallel
-    pieces."""
-    jobs = []
-    for src, offset in parts:
-        view = memoryview(src.numpy()).cast("B")
-        jobs += [(_pwrite, fd, view[a:b], offset + a) for a, b in _pieces(len(view))]
-    _in_threads(jobs)
+def write_mapped(fd: int, size: int, parts: list[tuple[torch.Tensor, int]]) -> None:
+    """Write each contiguous uint8 tensor of `parts` at its offset into file `fd`, whose
+    first `size` bytes must exist (allocated, not sparse), through a shared mapping: tmpfs
+    serialises write() calls to one file on its inode lock, while copies into a mapping run
+    in parallel, and MAP_POPULATE maps every page in one call instead of a fault per page."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        dst = torch.frombuffer(m, dtype=torch.uint8)
+        copy_many([(dst[o:o + src.numel()], src) for src, o in parts if src.numel()])
+        del dst
+    finally:
+        try:
+            m.close()
+        except BufferError:     # a view outlived the copy (in a traceback): unmapped when freed
+            pass
 
 
 def _pieces(n: int) -> list[tuple[int, int]]:
@@ -92,15 +142,22 @@ def _pieces(n: int) -> list[tuple[int, int]]:
 
 
 def _in_threads(jobs: list[tuple]) -> None:
+    """Run `jobs` ((fn, *args) each) over the copy threads, one batch of them per thread."""
     global _pool
-    if COPY_THREADS == 1 or len(jobs) < 2:
-        for fn, *args in jobs:
-            fn(*args)
+    k = min(COPY_THREADS, len(jobs))
+    if k < 2:
+        for job in jobs:
+            _run((job,))
         return
     if _pool is None:
         _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="vllm_hook_copy")
-    for f in [_pool.submit(*job) for job in jobs]:
+    for f in [_pool.submit(_run, jobs[i::k]) for i in range(k)]:
         f.result()
+
+
+def _run(jobs) -> None:
+    for fn, *args in jobs:
+        fn(*args)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, inference: bool) -> None:
@@ -113,10 +170,4 @@ def _pread(fd: int, view: memoryview, offset: int) -> None:
         n = os.preadv(fd, [view], offset)
         if n == 0:
             raise OSError(f"unexpected end of file at byte {offset}")
-        view, offset = view[n:], offset + n
-
-
-def _pwrite(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .hostmem import host_empty, read_into, write_from
+from .hostmem import host_empty, read_into, write_mapped
 
 PREFIX = "vllm_hook-"
 FREE = PREFIX + "free-"
@@ -134,7 +134,7 @@ def write_spilled(tensors: dict[str, torch.Tensor], metadata: dict[str, str], di
                 if n:
                     parts.append((t.contiguous().view(-1).view(torch.uint8), offset))
                 offset += n
-            write_from(fd, parts)
+            write_mapped(fd, size, parts)
         finally:
             os.close(fd)
         os.utime(path)

@@ -67,10 +67,12 @@ class RequestStore:
         return out
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        tensors: dict[str, torch.Tensor] = {}
-        for point, (pos, rows) in self.points().items():
-            tensors[f"p{point}"] = rows.contiguous()
-            tensors[f"p{point}.pos"] = torch.from_numpy(pos.astype(np.int64))
+        # Positions first (int64: aligned from the 8-byte aligned data start), then the rows of
+        # every point in point order: back to back in the file, so the frontend converts them
+        # in one copy (`hostmem.coalesce`).
+        pts = sorted(self.points().items())
+        tensors = {f"p{point}.pos": torch.from_numpy(pos.astype(np.int64)) for point, (pos, _) in pts}
+        tensors.update({f"p{point}": rows.contiguous() for point, (_, rows) in pts})
         return tensors
 
     def to_bytes(self, meta: dict) -> bytes:
@@ -109,6 +111,8 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
     tensors = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # bytes are read-only: those views are only read
+        # Views of one storage, so tensors that lie back to back can be copied as one.
+        base = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(export, dtype=torch.uint8)
         for name, info in header.items():
             if name == spill_mod.PAD:
                 continue
@@ -116,9 +120,11 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
             dtype, shape = _DTYPES[info["dtype"]], info["shape"]
             if end == start:
                 t = torch.empty(shape, dtype=dtype)
-            else:
+            elif (data + start) % dtype.itemsize == 0:
+                t = base[data + start:data + end].view(dtype).view(shape)
+            else:                                # unaligned for its dtype: a copy
                 t = torch.frombuffer(export, dtype=dtype, count=(end - start) // dtype.itemsize,
-                                     offset=data + start).view(shape)
+                                     offset=data + start).view(shape).clone()
             tensors[name] = t.clone() if name.endswith(".pos") else t
     out = {}
     for name, t in tensors.items():

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..adapters.base import AttnLayer
+from ..delivery.hostmem import upload
 from ..model.attention import attention_scores
 from ..routing import Segment, StepRouting
 from ..spec.resolve import selected_mask
@@ -46,17 +47,18 @@ def _scores(req, job: AttnJob, seg: Segment, start: int, q_pool: torch.Tensor, l
     local = [info.q_heads.index(h) for h in job.heads if h in info.q_heads]
     if not m.any() or not local:
         return []
-    rows = torch.as_tensor(start + np.nonzero(m)[0], device=q_pool.device)
+    dev = q_pool.device
+    rows = upload(torch.as_tensor(start + np.nonzero(m)[0]), dev)
     q = q_pool[rows].view(len(rows), info.num_heads, info.head_size)[:, local]
     qpos = seg.positions[m]
     group, block_size = info.geometry()
     K = int(qpos.max()) + 1
     pos = torch.arange(K, device=q_pool.device)
-    blocks = torch.as_tensor(req.blocks[group], dtype=torch.int64, device=q_pool.device)
+    blocks = upload(torch.as_tensor(req.blocks[group], dtype=torch.int64), dev)
     keys = info.keys(blocks[pos // block_size], pos % block_size)
     per_kv = info.num_heads // info.num_kv_heads
-    kv_of_head = torch.as_tensor([h // per_kv for h in local], device=q_pool.device)
-    w = attention_scores(q, keys, kv_of_head, torch.as_tensor(qpos, device=q_pool.device),
+    kv_of_head = upload(torch.as_tensor([h // per_kv for h in local]), dev)
+    w = attention_scores(q, keys, kv_of_head, upload(torch.as_tensor(qpos), dev),
                          info.scale, info.softcap, info.window, req.prompt_len)
     req.attn_heads[job.out_point] = [info.q_heads[h] for h in local]
     return [(Segment(req, (job.out_point,), 0, qpos, False), w)]

@@ -63,6 +63,7 @@ class _Staging:
             self._sets = [(torch.zeros_like(bufs.op_idx, device="cpu").pin_memory(),
                            torch.zeros_like(bufs.cap_idx, device="cpu").pin_memory(), None)
                           for _ in range(2)]
+            self._events = [torch.cuda.Event(), torch.cuda.Event()]    # one per set, re-recorded
             self._turn = 0
 
     def begin(self) -> tuple[np.ndarray, np.ndarray]:
@@ -81,7 +82,7 @@ class _Staging:
             self.bufs.op_idx[:op_rows].copy_(op[:op_rows], non_blocking=True)
         if cap_rows:
             self.bufs.cap_idx[:cap_rows].copy_(cap[:cap_rows], non_blocking=True)
-        event = torch.cuda.Event()
+        event = self._events[self._turn]
         event.record()
         self._sets[self._turn] = (op, cap, event)
         self._turn ^= 1
@@ -108,7 +109,11 @@ class HookRuntime:
         self._trash = (bufs.shape.pool_rows + np.arange(bufs.shape.max_tokens) % TRASH_ROWS)
         self.steps_routed = 0
         # Seconds spent in fetches (draining copies, writing results), summed.
-        self.timing = dict.fromkeys(("fetches", "fetch_s", "write_s"), 0.0)
+        # The plugin's host time on the step path: step_host_s routes and queues copies (over
+        # hooked_steps: what a hooked step adds to vLLM's host work); events_s admits and
+        # finishes requests (once per request, not per step).
+        self.timing = dict.fromkeys(("fetches", "fetch_s", "write_s", "hooked_steps", "step_host_s",
+                                     "events_s"), 0.0)
         if cfg.result_spill_dir:
             sweep_spilled(cfg.result_spill_dir, max_age_s=cfg.result_ttl_s)
 
@@ -116,6 +121,7 @@ class HookRuntime:
     def on_events(self, ev: SchedulerEvents) -> None:
         if ev.empty:
             return
+        t0 = time.perf_counter()
         try:
             for rid in ev.finished:
                 self._finish(rid)
@@ -140,6 +146,7 @@ class HookRuntime:
             log.exception("vllm_hook: request bookkeeping failed")
             for r in self.active.values():
                 _note(r.errors, f"internal error in vllm_hook bookkeeping: {e!r}")
+        self.timing["events_s"] += time.perf_counter() - t0
 
     def _admit(self, req_id: str, wire: dict) -> None:
         P = int(wire["P"])
@@ -249,6 +256,7 @@ class HookRuntime:
         self._step = None
         if not self.active and not self._steer_dirty:
             return
+        t0 = time.perf_counter()
         try:
             self._route(view)
         except Exception as e:
@@ -256,8 +264,11 @@ class HookRuntime:
             for r in self.active.values():
                 _note(r.errors, f"internal error in vllm_hook routing: {e!r}")
             self._reset_steering(view.num_tokens_padded)
+        self.timing["hooked_steps"] += 1
+        self.timing["step_host_s"] += time.perf_counter() - t0
 
     def _route(self, view: StepView) -> None:
+        self.tables.flush()
         self.collector.drain()
         T_pad = view.num_tokens_padded
         if T_pad > self.bufs.shape.max_tokens:
@@ -305,6 +316,7 @@ class HookRuntime:
         step, self._step = self._step, None
         if step is None:
             return
+        t0 = time.perf_counter()
         try:
             extras = []
             if any(seg.owner.attn_jobs for seg in step.segments):
@@ -314,6 +326,7 @@ class HookRuntime:
             log.exception("vllm_hook: capture copy failed")
             for seg in step.segments:
                 _note(seg.owner.errors, f"internal error copying captures: {e!r}")
+        self.timing["step_host_s"] += time.perf_counter() - t0
 
     def _deliver(self, seg: Segment, rows: torch.Tensor) -> None:
         req: HookRequest = seg.owner

@@ -2,7 +2,9 @@
 
 Rows are written once, when a request is admitted, and released when it finishes. Writes are
 stream-ordered after earlier forwards, so reusing a released row never changes a step that
-is already queued.
+is already queued. On a GPU they are queued, not made at admission: `flush` uploads them
+from pinned memory without waiting, right before the step's routing upload (a copy from
+ordinary memory would wait for the GPU to finish every queued step first).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..delivery.hostmem import upload
 from ..model.buffers import HookBuffers
 
 
@@ -28,6 +31,9 @@ class DeviceTables:
         self._vec_digest: dict[int, str] = {}
         self.units: dict[int, np.ndarray] = {}   # row -> unit vector (host copy, for u.u)
         self.norms: dict[int, float] = {}
+        self._on_device = bufs.device.type != "cpu"
+        self._ops: list[tuple[int, list[float]]] = []     # queued writes (GPU): row, params
+        self._vecs: list[tuple[int, np.ndarray]] = []     # row, unit vector
 
     def acquire_vector(self, digest: str, values: np.ndarray) -> int:
         row = self._vec_rows.get(digest)
@@ -40,7 +46,10 @@ class DeviceTables:
             v = np.asarray(values, dtype=np.float64)
             norm = float(np.linalg.norm(v))
             u = (v / norm if norm > 0 else v).astype(np.float32)
-            self.bufs.unit[row].copy_(torch.from_numpy(u))
+            if self._on_device:
+                self._vecs.append((row, u))
+            else:
+                self.bufs.unit[row].copy_(torch.from_numpy(u))
             self.units[row], self.norms[row] = u, norm
             self._vec_rows[digest] = row
             self._vec_digest[row] = digest
@@ -62,10 +71,28 @@ class DeviceTables:
             raise TableFull("the steering op table is full; too many steered requests are "
                             "preempted at once. Lower max_num_seqs or steer fewer layers")
         rows = [self._free_ops.pop() for _ in range(n)]
-        if n:
-            idx = torch.tensor(rows, dtype=torch.int64, device=self.bufs.device)
-            self.bufs.op_prm.index_copy_(0, idx, torch.tensor(params, dtype=torch.float32).to(self.bufs.device))
+        if n and self._on_device:
+            self._ops.extend(zip(rows, params))
+        elif n:
+            self.bufs.op_prm.index_copy_(0, torch.tensor(rows, dtype=torch.int64),
+                                         torch.tensor(params, dtype=torch.float32))
         return rows
+
+    def flush(self) -> None:
+        """Queue the uploads of rows written since the last flush (GPU), in order."""
+        for queued, table in ((self._ops, self.bufs.op_prm), (self._vecs, self.bufs.unit)):
+            if not queued:
+                continue
+            rows = torch.tensor([r for r, _ in queued], dtype=torch.int64)
+            values = torch.tensor(np.asarray([v for _, v in queued], dtype=np.float32))
+            # A row written twice since the last flush: the later write wins (index_copy_ with
+            # repeated indices does not say which), so only the last write of each row goes.
+            last = {r: i for i, (r, _) in enumerate(queued)}
+            if len(last) < len(queued):
+                keep = torch.tensor(sorted(last.values()), dtype=torch.int64)
+                rows, values = rows[keep], values[keep]
+            table.index_copy_(0, upload(rows, table.device), upload(values, table.device))
+            queued.clear()
 
     def release_ops(self, rows: list[int]) -> None:
         self._free_ops.extend(rows)
