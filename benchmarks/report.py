@@ -29,56 +29,59 @@ def write_report(r: dict) -> str:
         lines.append("")
     b = r.get("bench")
     if b:
-        methods = {x.get("method", "wall_difference") for x in b["tpot"]}
-        how = {"step": "the median interval between the engine core's decode steps (its own "
-                       "per-step output timestamps)",
-               "timestamps": "from vLLM's per-request token timestamps, (last - first) / (tokens - 1) "
-                             "per request, mean over the batch",
-               "engine_timestamps": "from vLLM's per-request token timestamps"}.get(
-            methods.pop() if len(methods) == 1 else "", "(W(gen+1) - W(1)) / gen")
-        lines += [f"Decode time per output token, {how}. Native is the median of every "
-                  "native measurement at that concurrency (taken alternately with the plugin's, "
-                  "throughout the run); plugin the median of its reps; `paired` is the median of "
-                  "plugin/native over the adjacent pairs; `min` is the plugin's fastest rep over "
-                  "native's fastest of the measurements paired with them (host noise only ever adds time); "
-                  "`ts` is the median ratio by vLLM's per-request token timestamps, for comparison; `host µs` "
-                  "the plugin's own host time per hooked step (worker, `vllm_hook.stats` timing), median. "
-                  + _spread(b["tpot"]), "",
-                  "| workload | engine | concurrency | native ms | plugin ms | ratio | paired | min | ts | host µs | target |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        order = list(dict.fromkeys(x["workload"] for x in b["tpot"]))
-        keys = sorted({(x["workload"], x["concurrency"]) for x in b["tpot"]}, key=lambda k: (order.index(k[0]), k[1]))
-        for w, c in keys:
-            rows = [x for x in b["tpot"] if x["workload"] == w and x["concurrency"] == c]
-            n = _med([x["native_s"] for x in b["tpot"] if x["concurrency"] == c])
-            p = _med([x["plugin_s"] for x in rows])
-            paired = _med([x["plugin_s"] / x["native_s"] for x in rows])
-            mn = min(x["plugin_s"] for x in rows) / min(x["native_s"] for x in rows)
-            ts = [x["plugin_ts_s"] / x["native_ts_s"] for x in rows if "native_ts_s" in x]
-            ts = f"{_med(ts):.3f}" if ts else ""
-            hu = [x["plugin_step_host_us"] for x in rows if x.get("plugin_step_host_us") is not None]
-            hu = f"{_med(hu):.0f}" if hu else ""
-            t = TARGETS.get(w)
-            verdict = "" if t is None else (f"<= {t:.2f} {'met' if p / n <= t else 'MISSED'}")
-            lines.append(f"| {w} | {rows[0].get('engine', 'plugin')} | {c} | {1e3 * n:.3f} | {1e3 * p:.3f} | "
-                         f"{p / n:.3f} | {paired:.3f} | {mn:.3f} | {ts} | {hu} | {verdict} |")
-        lines += ["", "Prefill latency (one request, max_tokens=1, wall time of generate + results):", "",
-                  "| prompt tokens | workload | native ms | plugin ms | ratio | captured MiB |", "|---|---|---|---|---|---|"]
-        for x in b["prefill"]:
-            lines.append(f"| {x['prompt_len']} | {x['workload']} | {1e3 * x['native_s']:.2f} | "
-                         f"{1e3 * x['plugin_s']:.2f} | {x['plugin_s'] / x['native_s']:.2f} | "
-                         f"{x['capture_bytes'] / 2**20:.2f} |")
-        lines += ["", "A 512-token prompt with captures delivered to host memory (end-to-end request "
-                  "latency; target for all-layer all-token capture <= 2x native):", "",
-                  "| workload | generated tokens | native ms | plugin ms | ratio | min | captured MiB | capture MiB/s |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for x in b["capture_e2e"]:
-            mn = (f"{min(x['plugin_times']) / min(x['native_times']):.2f}"
-                  if x.get("native_times") else "")
-            lines.append(f"| {x.get('workload', 'capture_all_tokens_all_layers')} | {x['max_tokens']} | "
-                         f"{1e3 * x['native_s']:.1f} | {1e3 * x['plugin_s']:.1f} | "
-                         f"{x['plugin_s'] / x['native_s']:.2f} | {mn} | {x['capture_bytes'] / 2**20:.1f} | "
-                         f"{x['capture_bytes'] / 2**20 / x['plugin_s']:.0f} |")
+        if b["tpot"]:
+            methods = {x.get("method", "wall_difference") for x in b["tpot"]}
+            how = {"step": "the median interval between the engine core's decode steps (its own "
+                           "per-step output timestamps)",
+                   "timestamps": "from vLLM's per-request token timestamps, (last - first) / (tokens - 1) "
+                                 "per request, mean over the batch",
+                   "engine_timestamps": "from vLLM's per-request token timestamps"}.get(
+                methods.pop() if len(methods) == 1 else "", "(W(gen+1) - W(1)) / gen")
+            lines += [f"Decode time per output token, {how}. Native is the median of every "
+                      "native measurement at that concurrency (taken alternately with the plugin's, "
+                      "throughout the run); plugin the median of its reps; `paired` is the median of "
+                      "plugin/native over the adjacent pairs; `min` is the plugin's fastest rep over "
+                      "native's fastest of the measurements paired with them (host noise only ever adds time); "
+                      "`ts` is the median ratio by vLLM's per-request token timestamps, for comparison; `host µs` "
+                      "the plugin's own host time per hooked step (worker, `vllm_hook.stats` timing), median. "
+                      + _spread(b["tpot"]), "",
+                      "| workload | engine | concurrency | native ms | plugin ms | ratio | paired | min | ts | host µs | target |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            order = list(dict.fromkeys(x["workload"] for x in b["tpot"]))
+            keys = sorted({(x["workload"], x["concurrency"]) for x in b["tpot"]}, key=lambda k: (order.index(k[0]), k[1]))
+            for w, c in keys:
+                rows = [x for x in b["tpot"] if x["workload"] == w and x["concurrency"] == c]
+                n = _med([x["native_s"] for x in b["tpot"] if x["concurrency"] == c])
+                p = _med([x["plugin_s"] for x in rows])
+                paired = _med([x["plugin_s"] / x["native_s"] for x in rows])
+                mn = min(x["plugin_s"] for x in rows) / min(x["native_s"] for x in rows)
+                ts = [x["plugin_ts_s"] / x["native_ts_s"] for x in rows if "native_ts_s" in x]
+                ts = f"{_med(ts):.3f}" if ts else ""
+                hu = [x["plugin_step_host_us"] for x in rows if x.get("plugin_step_host_us") is not None]
+                hu = f"{_med(hu):.0f}" if hu else ""
+                t = TARGETS.get(w)
+                verdict = "" if t is None else (f"<= {t:.2f} {'met' if p / n <= t else 'MISSED'}")
+                lines.append(f"| {w} | {rows[0].get('engine', 'plugin')} | {c} | {1e3 * n:.3f} | {1e3 * p:.3f} | "
+                             f"{p / n:.3f} | {paired:.3f} | {mn:.3f} | {ts} | {hu} | {verdict} |")
+        if b["prefill"]:
+            lines += ["", "Prefill latency (one request, max_tokens=1, wall time of generate + results):", "",
+                      "| prompt tokens | workload | native ms | plugin ms | ratio | captured MiB |", "|---|---|---|---|---|---|"]
+            for x in b["prefill"]:
+                lines.append(f"| {x['prompt_len']} | {x['workload']} | {1e3 * x['native_s']:.2f} | "
+                             f"{1e3 * x['plugin_s']:.2f} | {x['plugin_s'] / x['native_s']:.2f} | "
+                             f"{x['capture_bytes'] / 2**20:.2f} |")
+        if b["capture_e2e"]:
+            lines += ["", "A 512-token prompt with captures delivered to host memory (end-to-end request "
+                      "latency; target for all-layer all-token capture <= 2x native):", "",
+                      "| workload | generated tokens | native ms | plugin ms | ratio | min | captured MiB | capture MiB/s |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for x in b["capture_e2e"]:
+                mn = (f"{min(x['plugin_times']) / min(x['native_times']):.2f}"
+                      if x.get("native_times") else "")
+                lines.append(f"| {x.get('workload', 'capture_all_tokens_all_layers')} | {x['max_tokens']} | "
+                             f"{1e3 * x['native_s']:.1f} | {1e3 * x['plugin_s']:.1f} | "
+                             f"{x['plugin_s'] / x['native_s']:.2f} | {mn} | {x['capture_bytes'] / 2**20:.1f} | "
+                             f"{x['capture_bytes'] / 2**20 / x['plugin_s']:.0f} |")
         staged = [x for x in b["capture_e2e"] if x.get("stages_ms")]
         if staged:
             names = list(staged[0]["stages_ms"])
@@ -98,9 +101,6 @@ def write_report(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    print(write_report(json.load(open(sys.argv[1]))))
-
 
 def _spread(tpot: list[dict]) -> str:
     """How much native's own measurements varied: the noise any ratio carries."""
@@ -110,3 +110,6 @@ def _spread(tpot: list[dict]) -> str:
         parts.append(f"c={c}: {n[0]:.3f} to {n[-1]:.3f} ms ({len(n)})")
     return "Native's measurements ranged " + "; ".join(parts) + "."
 
+
+if __name__ == "__main__":
+    print(write_report(json.load(open(sys.argv[1]))))
