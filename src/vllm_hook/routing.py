@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
@@ -69,8 +69,7 @@ class RequestRoutes:
         return h
 
 
-@dataclass(frozen=True)
-class Rows:
+class Rows(NamedTuple):          # built per hooked request and step: a tuple is cheapest
     start: int
     count: int
     first_pos: int

@@ -274,12 +274,12 @@ class HookRuntime:
         if T_pad > self.bufs.shape.max_tokens:
             raise RuntimeError(f"step has {T_pad} rows, buffers hold {self.bufs.shape.max_tokens}")
         entries, finished_routing = [], []
+        qsl, computed = view.query_start_loc.tolist(), view.num_computed.tolist()   # one conversion
         for req in self.active.values():
             i = view.index.get(req.req_id)
             if i is None:
                 continue
-            start = int(view.query_start_loc[i])
-            rows = Rows(start, int(view.query_start_loc[i + 1]) - start, int(view.num_computed[i]))
+            rows = Rows(qsl[i], qsl[i + 1] - qsl[i], computed[i])
             entries.append((req, req.routes, rows))
             if rows.first_pos + rows.count - 1 >= req.horizon:
                 finished_routing.append(req.req_id)
