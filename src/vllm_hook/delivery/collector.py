@@ -74,8 +74,7 @@ class Collector:
             self._hand_over(hosts, segments, extras)
 
     def _hand_over(self, hosts, segments: list[Segment], extras) -> None:
-        parts = self._keep_or_copy(hosts, segments) if self.on_device else [
-            hosts[seg.pool][seg.pool_start:seg.pool_start + seg.num_rows] for seg in segments]
+        parts = self._keep_or_copy(hosts, segments) if self.on_device else _slices(hosts, segments)
         for seg, part in zip(segments, parts):
             self.deliver(seg, part)
         for seg, t in extras:
@@ -84,26 +83,25 @@ class Collector:
     def _keep_or_copy(self, hosts: dict[int, torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
         """Each segment's rows: views of the pinned block (kept), or copied out of it."""
         size = sum(h.numel() * h.element_size() for h in hosts.values())
-        if size < KEEP_PINNED_MIN:
-            # A decode step: one copy per pool for all its requests, whose rows are views of
-            # it (held until the last of them is fetched: a small block).
-            pairs = {pid: (host_empty(h.shape, h.dtype), h) for pid, h in hosts.items()}
-            copy_many(list(pairs.values()))
-            hosts = {pid: d for pid, (d, _) in pairs.items()}
-        parts = [hosts[seg.pool][seg.pool_start:seg.pool_start + seg.num_rows] for seg in segments]
-        if size < KEEP_PINNED_MIN:
-            return parts
-        if self.pinned_kept + size <= KEEP_PINNED_BYTES:
+        large = size >= KEEP_PINNED_MIN
+        if large and self.pinned_kept + size <= KEEP_PINNED_BYTES:
+            parts = _slices(hosts, segments)
             for p in parts:
                 n = p.numel() * p.element_size()
                 self.pinned_kept += n
                 weakref.finalize(p, self._release, n)     # when its store lets it go
             return parts
-        # Beyond the budget: each request's rows copied on their own, so no request's rows
-        # keep a large block of others' alive.
-        pairs = [(host_empty(p.shape, p.dtype), p) for p in parts]
+        if large:
+            # Beyond the budget: each request's rows copied on their own, so no request's
+            # rows keep a large block of others' alive.
+            pairs = [(host_empty(p.shape, p.dtype), p) for p in _slices(hosts, segments)]
+        else:
+            # A decode step: one copy per pool for all its requests, whose rows are views of
+            # it (held until the last of them is fetched: a small block).
+            pairs = [(host_empty(h.shape, h.dtype), h) for h in hosts.values()]
+            hosts = dict(zip(hosts, (d for d, _ in pairs)))
         copy_many(pairs)
-        return [d for d, _ in pairs]
+        return [d for d, _ in pairs] if large else _slices(hosts, segments)
 
     def _release(self, nbytes: int) -> None:
         self.pinned_kept -= nbytes
@@ -111,3 +109,8 @@ class Collector:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+
+def _slices(hosts: dict[int, torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
+    """Each segment's rows of its pool's block."""
+    return [hosts[seg.pool][seg.pool_start:seg.pool_start + seg.num_rows] for seg in segments]
