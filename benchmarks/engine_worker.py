@@ -103,10 +103,11 @@ def main() -> None:
             return None, None
         return statistics.median(gaps), [round(1e3 * gaps[int(q * (len(gaps) - 1))], 4) for q in (0.1, 0.5, 0.9)]
 
-    def step_host_us(before: dict, after: dict) -> float | None:
-        """The plugin's own host time per hooked step (worker rank 0), µs, between two stats."""
-        n = after.get("hooked_steps", 0) - before.get("hooked_steps", 0)
-        return 1e6 * (after.get("step_host_s", 0) - before.get("step_host_s", 0)) / n if n else None
+    def step_host_us(before: dict, after: dict, steps: str = "hooked_steps", secs: str = "step_host_s") -> float | None:
+        """The plugin's own host time per hooked step (worker rank 0), µs, between two stats;
+        with ("repeated_steps", "repeated_s"): per step that repeated the last routing."""
+        n = after.get(steps, 0) - before.get(steps, 0)
+        return 1e6 * (after.get(secs, 0) - before.get(secs, 0)) / n if n else None
 
     def sm_clock() -> int | None:
         """The GPU's current SM clock, MHz (NVML), where it can be read: a slow measurement
@@ -124,7 +125,7 @@ def main() -> None:
                 reply({"bye": True})
                 break
             if op == "time":
-                times, tpots, step_tpots, spread, clocks, host_us, nbytes = [], [], [], [], [], [], 0
+                times, tpots, step_tpots, spread, clocks, host_us, repeat_us, nbytes = [], [], [], [], [], [], [], 0
                 for _ in range(cmd.get("reps", 1)):
                     before = hook.stats(llm)["timing"] if hook else None
                     # A new prompt every time: a repeated one would hit vLLM's prefix cache,
@@ -137,9 +138,12 @@ def main() -> None:
                     step_tpots.append(med)
                     spread.append(pct)
                     clocks.append(sm_clock())
-                    host_us.append(step_host_us(before, hook.stats(llm)["timing"]) if hook else None)
+                    after = hook.stats(llm)["timing"] if hook else None
+                    host_us.append(step_host_us(before, after) if hook else None)
+                    repeat_us.append(step_host_us(before, after, "repeated_steps", "repeated_s") if hook else None)
                 reply({"times": times, "decode_tpot": tpots, "step_tpot": step_tpots, "capture_bytes": nbytes,
-                       "step_ms_p10_p50_p90": spread, "sm_clock_mhz": clocks, "step_host_us": host_us})
+                       "step_ms_p10_p50_p90": spread, "sm_clock_mhz": clocks, "step_host_us": host_us,
+                       "repeat_host_us": repeat_us})
             elif op == "outputs":
                 outs, _, _ = run(cmd)
                 res = []

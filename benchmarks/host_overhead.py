@@ -7,7 +7,10 @@ work with the current forward), so Python work per step can show up in decode ti
 times, without an engine, what the worker does per step for the benchmark workloads: the
 routing (`routing.route_step`) and the hand-over of captured rows to the request stores
 (`Collector._hand_over` + `RequestStore.add`), for 1 to 16 decoding requests on a 28-layer
-model. It prints microseconds per step. Then it times the host side of fetching one request's
+model. It prints microseconds per step. Then it drives the worker runtime itself
+(`HookRuntime.begin_step` + `end_step`, fake batch views, 16 decoding requests) for steering,
+capture and the mixed batch, routing every step in full against repeating the last step's
+routing (`worker.repeat`, what steady decode does). Then it times the host side of fetching one request's
 capture of every layer and token of a 512-token prompt (42 MiB in bf16): the worker's
 hand-over, then by the RPC (wire bytes, a pickle round trip standing in for the RPC, the
 frontend's `Results`) and through a shared-memory file (`result_spill_dir`).
@@ -33,7 +36,12 @@ from vllm_hook.delivery.hostmem import host_empty  # noqa: E402
 from vllm_hook.delivery.store import RequestStore  # noqa: E402
 from vllm_hook.model.layout import PointTable  # noqa: E402
 from vllm_hook.results import build  # noqa: E402
+from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView  # noqa: E402
+from vllm_hook.config import HookConfig  # noqa: E402
+from vllm_hook.model.buffers import BufferShape, HookBuffers  # noqa: E402
 from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, route_step  # noqa: E402
+from vllm_hook.spec import HookSpec, ModelInfo, resolve  # noqa: E402
+from vllm_hook.worker.runtime import HookRuntime  # noqa: E402
 
 L, K, H = 28, 2, 1536
 
@@ -85,11 +93,57 @@ def main() -> None:
             res.append(row)
             print(f"{kind:32s} {n:3d} requests: route {row['route_us']:7.0f} us/step, "
                   f"deliver {row['deliver_us']:7.0f} us/step", flush=True)
+    steps = runtime_steps(args.steps)
     fetch = fetch_stages()
     print("fetch of a 512-token all-layer capture, ms (min of 3): "
           + ", ".join(f"{k} {v:.1f}" for k, v in fetch.items()))
     if args.out:
-        Path(args.out).write_text(json.dumps({"per_step": res, "fetch_ms": fetch}, indent=1))
+        Path(args.out).write_text(json.dumps({"per_step": res, "runtime_step": steps, "fetch_ms": fetch}, indent=1))
+
+
+def runtime_steps(steps: int, n: int = 16, P: int = 128) -> list[dict]:
+    """The worker runtime's host time per decode step (begin_step + end_step) for `n` decoding
+    requests, routed in full every step and repeated (steady decode), µs."""
+    info = ModelInfo(num_layers=L, hidden_size=H)
+    cfg = HookConfig()
+    points = PointTable.for_config(L, cfg)
+    shape = BufferShape.for_engine(num_layers=L, hidden=H, max_num_batched_tokens=2048,
+                                   max_num_seqs=256, cfg=cfg, points=points)
+    vec = np.random.default_rng(0).standard_normal(H).astype(np.float32).tolist()
+    steer1 = {"steer": [{"op": "add", "layer": L // 2, "vector": vec, "scale": 0.5}]}
+    cap4 = {"capture": [{"layers": [4, 9, 16, 26], "tokens": "all"}]}
+    kinds = {"steer_add_1_layer": lambda i: steer1,
+             "steer_add_all_layers": lambda i: {"steer": [{"op": "add", "layer": x, "vector": vec, "scale": 0.05}
+                                                          for x in range(L)]},
+             "capture_all_tokens_4_layers": lambda i: cap4,
+             "mixed_thirds": lambda i: [steer1, cap4, None][i % 3]}
+    out = []
+    for kind, spec_of in kinds.items():
+        row = {"workload": kind, "requests": n}
+        for mode in ("full", "repeated"):
+            rt = HookRuntime(HookBuffers(shape, torch.bfloat16, torch.device("cpu")), points, cfg)
+            new = []
+            for i in range(n):
+                spec = spec_of(i)
+                wire = resolve(HookSpec(**spec), info, cfg, P, lambda name: None).wire if spec else None
+                new.append(NewRequest(f"r{i}", wire, P))
+            rt.on_events(SchedulerEvents(new=tuple(new)))
+            index = {f"r{i}": i for i in range(n)}
+            t_total = 0.0
+            for k in range(steps):
+                view = StepView(index=index, query_start_loc=np.arange(n + 1), num_computed=np.full(n, P + k),
+                                num_tokens=n, num_tokens_padded=n)
+                if mode == "full":
+                    rt.repeat.forget()
+                t = time.perf_counter()
+                rt.begin_step(view)
+                rt.end_step()
+                t_total += time.perf_counter() - t
+            row[f"{mode}_us"] = 1e6 * t_total / steps
+        out.append(row)
+        print(f"runtime step, {kind:28s} {n} requests: full {row['full_us']:6.0f} us, "
+              f"repeated {row['repeated_us']:6.0f} us", flush=True)
+    return out
 
 
 def fetch_stages(P: int = 512, reps: int = 3, spill_dir: str = "/dev/shm") -> dict[str, float]:

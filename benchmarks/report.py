@@ -16,6 +16,10 @@ def _med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def _p10(xs):
+    return statistics.quantiles(xs, n=10, method="inclusive")[0] if len(xs) > 1 else (xs or [float("nan")])[0]
+
+
 def write_report(r: dict) -> str:
     m = r["meta"]
     lines = [f"Run {m.get('started')}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; "
@@ -42,11 +46,18 @@ def write_report(r: dict) -> str:
                       "throughout the run); plugin the median of its reps; `paired` is the median of "
                       "plugin/native over the adjacent pairs; `min` is the plugin's fastest rep over "
                       "native's fastest of the measurements paired with them (host noise only ever adds time); "
+                      "`floor` is the plugin's 10th-percentile rep over native's 10th percentile at that "
+                      "concurrency (the machine's fast mode against its fast mode); "
+                      "`in-engine` (with `--in-engine`) is the median of the plugin's rep over the same batch without "
+                      "specs timed right after on the same plugin engine (one process: both share its speed mode); "
                       "`ts` is the median ratio by vLLM's per-request token timestamps, for comparison; `host µs` "
-                      "the plugin's own host time per hooked step (worker, `vllm_hook.stats` timing), median. "
+                      "the plugin's own host time per hooked step (worker, `vllm_hook.stats` timing), median, "
+                      "admissions and prefills included; `repeat µs` the same per steady decode step (one "
+                      "that repeated the last step's routing). "
                       + _spread(b["tpot"]), "",
-                      "| workload | engine | concurrency | native ms | plugin ms | ratio | paired | min | ts | host µs | target |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "| workload | engine | concurrency | native ms | plugin ms | ratio | paired | min | floor "
+                      "| in-engine | ts | host µs | repeat µs | target |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
             order = list(dict.fromkeys(x["workload"] for x in b["tpot"]))
             keys = sorted({(x["workload"], x["concurrency"]) for x in b["tpot"]}, key=lambda k: (order.index(k[0]), k[1]))
             for w, c in keys:
@@ -57,12 +68,16 @@ def write_report(r: dict) -> str:
                 mn = min(x["plugin_s"] for x in rows) / min(x["native_s"] for x in rows)
                 ts = [x["plugin_ts_s"] / x["native_ts_s"] for x in rows if "native_ts_s" in x]
                 ts = f"{_med(ts):.3f}" if ts else ""
-                hu = [x["plugin_step_host_us"] for x in rows if x.get("plugin_step_host_us") is not None]
-                hu = f"{_med(hu):.0f}" if hu else ""
+                ie = [x["plugin_s"] / x["plugin_unused_s"] for x in rows if x.get("plugin_unused_s")]
+                ie = f"{_med(ie):.3f}" if ie else ""
+                floor = _p10([x["plugin_s"] for x in rows]) / _p10([x["native_s"] for x in b["tpot"] if x["concurrency"] == c])
+                hu, ru = ([x[k] for x in rows if x.get(k) is not None]
+                          for k in ("plugin_step_host_us", "plugin_repeat_host_us"))
+                hu, ru = (f"{_med(v):.0f}" if v else "" for v in (hu, ru))
                 t = TARGETS.get(w)
                 verdict = "" if t is None else (f"<= {t:.2f} {'met' if p / n <= t else 'MISSED'}")
                 lines.append(f"| {w} | {rows[0].get('engine', 'plugin')} | {c} | {1e3 * n:.3f} | {1e3 * p:.3f} | "
-                             f"{p / n:.3f} | {paired:.3f} | {mn:.3f} | {ts} | {hu} | {verdict} |")
+                             f"{p / n:.3f} | {paired:.3f} | {mn:.3f} | {floor:.3f} | {ie} | {ts} | {hu} | {ru} | {verdict} |")
         if b["prefill"]:
             lines += ["", "Prefill latency (one request, max_tokens=1, wall time of generate + results):", "",
                       "| prompt tokens | workload | native ms | plugin ms | ratio | captured MiB |", "|---|---|---|---|---|---|"]

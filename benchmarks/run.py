@@ -146,7 +146,8 @@ def tpot(w: Worker, n, plen, gen, specs, reps) -> dict:
     stall moves it) and `wall` ((W(gen+1) - W(1)) / gen, when neither is reported)."""
     b = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": gen + 1, "specs": specs, "reps": reps})
     res = {"wall_s": median(b["times"]), "step_pct": (b.get("step_ms_p10_p50_p90") or [None])[0],
-           "sm_clock": (b.get("sm_clock_mhz") or [None])[0], "host_us": (b.get("step_host_us") or [None])[0]}
+           "sm_clock": (b.get("sm_clock_mhz") or [None])[0], "host_us": (b.get("step_host_us") or [None])[0],
+           "repeat_us": (b.get("repeat_host_us") or [None])[0]}
     for key, method in (("step_tpot", "step"), ("decode_tpot", "timestamps")):
         if all(t is not None for t in b.get(key) or [None]):
             res[method] = median(b[key])
@@ -181,12 +182,19 @@ def bench(workers: dict[str, Worker], L: int, args, save) -> dict:
             for rep in range(args.reps):
                 rn = tpot(native, c, args.prompt_len, args.gen, None, 1)
                 rp = tpot(plugin, c, args.prompt_len, args.gen, specs, 1)
+                # The same batch without specs on the same plugin engine, right after: one
+                # process, so both share its speed mode (the lent machine's processes switch
+                # between a fast and a slow mode, run 18), which the native pair does not.
+                ru = tpot(plugin, c, args.prompt_len, args.gen, None, 1) if args.in_engine and any(specs) else None
                 m = rn["method"]
                 row = {"workload": name, "concurrency": c, "rep": rep, "native_s": rn[m], "plugin_s": rp[m],
                        "native_wall_s": rn["wall_s"], "plugin_wall_s": rp["wall_s"], "engine": plugin.name,
                        "method": m, "native_step_ms_p10_p50_p90": rn["step_pct"],
                        "plugin_step_ms_p10_p50_p90": rp["step_pct"], "native_sm_mhz": rn["sm_clock"],
-                       "plugin_sm_mhz": rp["sm_clock"], "plugin_step_host_us": rp["host_us"]}
+                       "plugin_sm_mhz": rp["sm_clock"], "plugin_step_host_us": rp["host_us"],
+                       "plugin_repeat_host_us": rp["repeat_us"]}
+                if ru is not None:
+                    row["plugin_unused_s"] = ru[m]
                 if "timestamps" in rn and "timestamps" in rp:
                     row.update(native_ts_s=rn["timestamps"], plugin_ts_s=rp["timestamps"])
                 out["tpot"].append(row)
@@ -350,6 +358,9 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", help="bench: only these decode-time workloads")
     ap.add_argument("--sections", nargs="+", default=["tpot", "prefill", "e2e"],
                     choices=["tpot", "prefill", "e2e"], help="bench: which measurements")
+    ap.add_argument("--in-engine", action="store_true",
+                    help="tpot: after each hooked measurement, time the same batch without specs on the "
+                         "same plugin engine (the `in-engine` column: hooked over unhooked, one process)")
     ap.add_argument("--pin-cpus", action="store_true",
                     help="give each engine its own equal share of this machine's cores")
     args = ap.parse_args()

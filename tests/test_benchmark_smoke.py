@@ -19,7 +19,7 @@ def test_benchmark_suite_smoke(tmp_path, engines):
     engines.close()                      # the four engine processes get the CPU
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--suite", "bench",
-                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1500)
+                           "--in-engine", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())
     assert set(r["startup"]) == {"native_graph", "plugin_lean", "plugin_full", "plugin_capture_only"}
@@ -27,6 +27,8 @@ def test_benchmark_suite_smoke(tmp_path, engines):
     assert {"unused", "steer_add_1_layer", "cap_1_layer", "capture_all_tokens_all_layers",
             "mixed_thirds", "attention_tracker_4_layers", "unused_capture_only_engine"} <= workloads
     assert all(x["method"] == "step" for x in r["bench"]["tpot"])   # the engine core's step timestamps
+    # --in-engine: every hooked row also timed the same batch unhooked on its plugin engine
+    assert all(("plugin_unused_s" in x) == (not x["workload"].startswith("unused")) for x in r["bench"]["tpot"])
     assert all(x["capture_bytes"] > 0 for x in r["bench"]["capture_e2e"])
     report = (tmp_path / "report.md").read_text()
     assert "| unused | plugin_lean |" in report and "attention_tracker_4_layers" in report

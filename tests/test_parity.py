@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import vllm_hook
 from tests.helpers import hf_ref
 from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
 from vllm_hook.testing.tiny_models import ARCHS, tiny_model
@@ -31,7 +32,10 @@ def test_activation_parity_all_sites(arch_llm):
     hf = hf_ref.load(tiny_model(arch))
     spec = {"capture": [{"layers": "all", "site": s} for s in SITES]}
     prompts = [ids_of(llm, p) for p in PROMPTS[:3]]
+    repeated = vllm_hook.stats(llm)["timing"]["repeated_steps"]
     outs = run(llm, prompts, sp(spec, max_tokens=8))
+    # Steady decode steps repeat the last step's routing (worker.repeat): checked below too.
+    assert vllm_hook.stats(llm)["timing"]["repeated_steps"] > repeated
     for ids, out in zip(prompts, outs):
         r = res(out)
         gen = list(out.outputs[0].token_ids)
@@ -74,7 +78,9 @@ def test_steering_parity(arch_llm):
     params = [sp({"steer": [{**op, "vector": op["vector"].tolist()} for op in cases[n]]},
                  max_tokens=16, logprobs=20) for n in names]
     params.append(sp(None, max_tokens=16))
+    repeated = vllm_hook.stats(llm)["timing"]["repeated_steps"]
     outs = run(llm, [ids] * len(params), params)
+    assert vllm_hook.stats(llm)["timing"]["repeated_steps"] > repeated
     baseline = list(outs[-1].outputs[0].token_ids)
     changed = 0
     for name, out in zip(names, outs):

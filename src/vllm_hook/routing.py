@@ -58,6 +58,16 @@ class RequestRoutes:
         return tuple((sels, pool, last, np.array(pts, dtype=np.int64), tuple(pts))
                      for (sels, pool, last), pts in groups.items())
 
+    @cached_property
+    def steady_from(self) -> int:
+        """From this position on, every route selects the same (each position or none): a
+        decode step of this request routes like the one before it (`worker.repeat`)."""
+        start = self.prompt_len
+        for sel, pos in [(r.sel, r.pos) for r in self.steer] + [s for c in self.capture for s in c.sels]:
+            if sel == "pos" and pos:
+                start = max(start, max(pos) + 1)
+        return start
+
     @property
     def horizon(self) -> float:
         """The largest position any route may still select (inf when open-ended)."""

@@ -373,3 +373,43 @@ def test_coalesce_merges_copies_that_lie_back_to_back():
     assert len(coalesce([(dst[0], src[0]), (dst[1], other)])) == 2
     copy_many(pairs)
     assert torch.equal(dst, src.float())
+
+
+def test_repeated_decode_steps_are_delivered_per_run(monkeypatch):
+    """Decode steps that repeat one routing go into a run buffer, one copy per step, and reach
+    each request's store as one chunk per run, positions and rows as if delivered per step; a
+    full run, a new routing and the end of the batch close it, in order."""
+    from vllm_hook.delivery import runs
+    from vllm_hook.delivery.collector import Collector
+    from vllm_hook.delivery.store import RequestStore
+    from vllm_hook.routing import Segment, StepRouting
+
+    pool = torch.zeros(16, 3)
+    stores = {"a": RequestStore(), "b": RequestStore()}
+    c = Collector([pool, None, None], lambda seg, rows: stores[seg.owner].add(
+        seg.points, seg.positions, rows, seg.last_only))
+    # a: 2 points at pool rows 0-1, position 10; b: "last" at pool row 2, position 4.
+    template = StepRouting([Segment("a", (0, 5), 0, np.array([10]), False, 0, np.array([0])),
+                            Segment("b", (1,), 2, np.array([4]), True, 0, np.array([1]))], {0: 3})
+    monkeypatch.setattr(runs, "RUN_BYTES", 3 * 3 * 4 * 4)     # 4 steps per run
+    written = []
+
+    def forward(k):
+        pool[:3] = torch.arange(3 * 3, dtype=torch.float32).view(3, 3) + 100 * k
+        written.append(pool[:3].clone())
+
+    forward(0)
+    c.after_forward(template)
+    for k in range(1, 7):                  # runs of 4 and 2 steps
+        forward(k)
+        c.after_repeat(template, k)
+    assert c.in_flight == 2
+    c.after_forward(StepRouting())         # the batch changed: the open run is closed
+    c.drain()
+    assert c.in_flight == 0
+    pos, rows = stores["a"].points()[5]
+    assert pos.tolist() == list(range(10, 17))
+    assert torch.equal(rows, torch.stack([w[1] for w in written]))
+    assert torch.equal(stores["a"].points()[0][1], torch.stack([w[0] for w in written]))
+    pos, rows = stores["b"].points()[1]   # "last": only the newest rows are kept
+    assert pos.tolist()[-1] == 10 and torch.equal(rows[-1], written[-1][2])

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_hook.model.layout import PointTable
+from vllm_hook.adapters.base import StepView
 from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, route_step
+from vllm_hook.worker.repeat import StepRepeat
 
 L, K = 4, 2
 
@@ -157,3 +159,72 @@ def test_routing_matches_a_row_by_row_reference_on_random_batches():
         assert got.overflow == list(dict.fromkeys(ref_over)), trial
         steered = [i for i in range(T) if op[i].any()]
         assert got.steered_upto >= (steered[-1] + 1 if steered else 0)
+
+
+def test_steady_from():
+    assert RequestRoutes(5, steer=(SteerRoute(0, 1, "all"),)).steady_from == 5
+    assert RequestRoutes(5, steer=(SteerRoute(0, 1, "pos", (2, 9)),),
+                         capture=(CaptureRoute(0, (("last", ()),)),)).steady_from == 10
+
+
+def test_a_steady_decode_step_routes_like_the_one_before():
+    """What lets `worker.repeat` skip routing: from `steady_from` on, the next decode step
+    writes the same indexes, and its segments differ only by one position."""
+    rng = np.random.default_rng(0)
+    sels = [("all", ()), ("generated", ()), ("last", ()), ("pos", (3, 40)), ("prompt", ())]
+    for _ in range(50):
+        entries = []
+        for i in range(int(rng.integers(1, 8))):
+            P = int(rng.integers(1, 30))
+            sel = sels[int(rng.integers(len(sels)))]
+            steer = (SteerRoute(col=int(rng.integers(L * K)), entry=i + 1, sel=sel[0], pos=sel[1]),) \
+                if rng.random() < 0.6 else ()
+            capture = (CaptureRoute(point=int(rng.integers(6)), sels=(sels[int(rng.integers(len(sels)))],)),) \
+                if rng.random() < 0.6 else ()
+            routes = RequestRoutes(P, steer, capture)
+            entries.append((f"r{i}", routes, routes.steady_from + int(rng.integers(0, 5))))
+        first = [(o, r, Rows(i, 1, p)) for i, (o, r, p) in enumerate(entries)]
+        op1, cap1 = arrays(8)
+        step1 = route_step(first, op1, cap1, pool_rows=100)
+        op2, cap2 = arrays(8)
+        step2 = route_step([(o, r, Rows(i, 1, p + 1)) for i, (o, r, p) in enumerate(entries)], op2, cap2, 100)
+        assert (op1 == op2).all() and (cap1 == cap2).all()
+        assert step1.pool_used == step2.pool_used and step1.steered_upto == step2.steered_upto
+        assert [(s.owner, s.points, s.pool_start, (s.positions + 1).tolist(), s.rows.tolist()) for s in step1.segments] == \
+            [(s.owner, s.points, s.pool_start, s.positions.tolist(), s.rows.tolist()) for s in step2.segments]
+
+
+class _Owner:
+    attn_jobs: dict = {}
+
+
+def _view(index, computed, padded=None):
+    return StepView(index=dict(index), query_start_loc=np.arange(len(index) + 1),
+                    num_computed=np.array(computed), num_tokens=len(index),
+                    num_tokens_padded=padded or len(index))
+
+
+def test_step_repeat_checks_the_layout_every_step():
+    a = RequestRoutes(3, steer=(SteerRoute(0, 1, "all"),), capture=(CaptureRoute(0, (("all", ()),)),))
+    owner = _Owner()
+    entries = [(owner, a, Rows(1, 1, 5))]
+    routing = route_step(entries, *arrays(2), pool_rows=10)
+    rep = StepRepeat()
+    rep.remember(_view({"x": 0, "a": 1}, [9, 5]), routing, entries, routes_changed=False)
+    assert rep.next(_view({"x": 0, "a": 1}, [10, 6])) == (routing, 1)
+    assert rep.next(_view({"x": 0, "a": 1}, [11, 7])) == (routing, 2)
+    assert rep.next(_view({"a": 0, "x": 1}, [8, 12])) is None           # rows moved
+    assert rep.next(_view({"x": 0, "a": 1}, [12, 8])) is None           # forgotten until routed again
+    for view, ok in ((_view({"x": 0, "a": 1}, [9, 5]), True),
+                     (_view({"x": 0, "a": 1}, [9, 5], padded=4), True)):
+        rep.remember(view, routing, entries, routes_changed=False)
+        assert (rep.next(_view({"x": 0, "a": 1}, [10, 6], padded=view.num_tokens_padded)) is not None) == ok
+    rep.remember(_view({"x": 0, "a": 1}, [9, 5]), routing, entries, routes_changed=False)
+    assert rep.next(_view({"x": 0, "a": 1}, [10, 6], padded=4)) is None  # padding changed
+    rep.remember(_view({"x": 0, "a": 1}, [9, 5]), routing, entries, routes_changed=False)
+    assert rep.next(_view({"x": 0, "a": 1}, [10, 7])) is None           # a moved two positions
+    # Not remembered: a prompt row, a position before steady_from, a route that ended.
+    for ents, changed in (([(owner, a, Rows(1, 2, 5))], False), ([(owner, a, Rows(1, 1, 2))], False),
+                          (entries, True)):
+        rep.remember(_view({"x": 0, "a": 1}, [9, 5]), routing, ents, routes_changed=changed)
+        assert rep.next(_view({"x": 0, "a": 1}, [10, 6])) is None

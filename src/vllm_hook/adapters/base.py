@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class StepView:
-    """The batch of one forward pass, as the model sees it."""
+class StepView(NamedTuple):
+    """The batch of one forward pass, as the model sees it (built every hooked step: a tuple
+    is cheapest)."""
 
     index: Mapping[str, int]        # request id -> batch position (only scheduled requests)
     query_start_loc: np.ndarray     # [num_reqs + 1]; rows of request i: qsl[i] .. qsl[i+1]-1

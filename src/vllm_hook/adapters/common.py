@@ -82,14 +82,20 @@ def load_model_wrapper(orig):
     return load_model
 
 
+NO_EVENTS = SchedulerEvents()
+
+
 def events(scheduler_output: Any, track_blocks: bool = False) -> SchedulerEvents:
     """The step's lifecycle events; block ids of running requests only when `track_blocks`
     (some request reads its KV cache), so requests without a spec cost O(1) per step."""
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if (not scheduler_output.scheduled_new_reqs and not scheduler_output.finished_req_ids
+            and not track_blocks and not getattr(cached, "resumed_req_ids", None)):
+        return NO_EVENTS        # most decode steps: nothing to build
     new = tuple(
         NewRequest(r.req_id, wire_of(r.sampling_params, SPEC_KEY), len(r.prompt_token_ids or ()))
         for r in scheduler_output.scheduled_new_reqs
     )
-    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     resumed = frozenset(getattr(cached, "resumed_req_ids", None) or ())
     blocks = {r.req_id: (tuple(r.block_ids), True) for r in scheduler_output.scheduled_new_reqs}
     if cached is not None and track_blocks:

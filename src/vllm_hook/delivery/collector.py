@@ -11,7 +11,8 @@ A large step (a prompt's rows) stays in its pinned buffer until the results are 
 instead of being copied out: a copy into fresh host memory costs page faults, and the fetch
 can write the file it sends from pinned memory as well as from any. Pinned memory is locked
 RAM, so this holds at most KEEP_PINNED_BYTES at a time; beyond it, and for the small blocks of
-decode steps, rows are copied out as soon as their copy completes.
+decode steps, rows are copied out as soon as their copy completes. Decode steps that repeat
+one routing are gathered per run (`runs.DecodeRun`), not handed over step by step.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from ..routing import Segment, StepRouting
 from .hostmem import copy_many, host_empty
+from .runs import DecodeRun
 
 Deliver = Callable[[Segment, torch.Tensor], None]
 KEEP_PINNED_MIN = 4 << 20       # a step's pinned block this large is kept, not copied out
@@ -35,11 +37,31 @@ class Collector:
         self.pools = pools
         self.deliver = deliver
         self.on_device = next(p for p in pools if p is not None).device.type != "cpu"
-        self._pending: deque = deque()
+        self._pending: deque = deque()      # DecodeRun, or (event, hosts, segments, extras)
+        self._run: DecodeRun | None = None  # the open run, last in _pending
         self.bytes_copied = 0
         self.pinned_kept = 0
 
+    def after_repeat(self, template: StepRouting, step: int) -> None:
+        """After the forward of the `step`-th repetition of `template` (`worker.repeat`)."""
+        if not template.segments:
+            return
+        run = self._run
+        if run is None or not run.follows(template, step):
+            self.close_run()
+            run = self._run = DecodeRun(template, step, self.pools)
+            self._pending.append(run)
+        run.add()
+        self.bytes_copied += run.step_bytes
+
+    def close_run(self) -> None:
+        """End the open run: it is handed over once its copies are done."""
+        if self._run is not None:
+            self._run.closed = True
+            self._run = None
+
     def after_forward(self, routing: StepRouting, extras: list[tuple[Segment, torch.Tensor]] = ()) -> None:
+        self.close_run()
         if not routing.segments and not extras:
             return
         hosts: dict[int, torch.Tensor] = {}
@@ -48,6 +70,7 @@ class Collector:
                 hosts[pid] = self._to_host(self.pools[pid][:n])
         extra_hosts = [(seg, self._to_host(t)) for seg, t in extras]
         if not self.on_device:
+            self.drain()        # a closed run first: its steps came before this one
             self._hand_over(hosts, routing.segments, extra_hosts)
             return
         event = torch.cuda.Event()
@@ -65,8 +88,17 @@ class Collector:
         return host
 
     def drain(self, wait: bool = False) -> None:
+        if wait:
+            self.close_run()
         while self._pending:
-            event, hosts, segments, extras = self._pending[0]
+            head = self._pending[0]
+            if isinstance(head, DecodeRun):
+                if not wait and not head.ready():
+                    return
+                self._pending.popleft()
+                head.hand_over(self.deliver)
+                continue
+            event, hosts, segments, extras = head
             if not wait and not event.query():
                 return
             event.synchronize()

@@ -23,6 +23,7 @@ from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, route_step
 from .attention_jobs import AttnJob, scores_for_step
+from .repeat import StepRepeat
 from .tables import DeviceTables, TableFull
 
 log = logging.getLogger("vllm_hook")
@@ -106,14 +107,17 @@ class HookRuntime:
         self._steer_dirty = 0
         self._attn_reqs = 0
         self._step: StepRouting | None = None
+        self._repeated: tuple[StepRouting, int] | None = None    # (routing, k): see worker.repeat
+        self.repeat = StepRepeat()
         self._trash = (bufs.shape.pool_rows + np.arange(bufs.shape.max_tokens) % TRASH_ROWS)
         self.steps_routed = 0
         # Seconds spent in fetches (draining copies, writing results), summed.
         # The plugin's host time on the step path: step_host_s routes and queues copies (over
-        # hooked_steps: what a hooked step adds to vLLM's host work); events_s admits and
-        # finishes requests (once per request, not per step).
+        # hooked_steps: what a hooked step adds to vLLM's host work), repeated_s the part of it in
+        # steps that repeated the last routing (over repeated_steps: steady decode); events_s
+        # admits and finishes requests (once per request, not per step).
         self.timing = dict.fromkeys(("fetches", "fetch_s", "write_s", "hooked_steps", "step_host_s",
-                                     "events_s"), 0.0)
+                                     "events_s", "repeated_steps", "repeated_s"), 0.0)
         if cfg.result_spill_dir:
             sweep_spilled(cfg.result_spill_dir, max_age_s=cfg.result_ttl_s)
 
@@ -122,6 +126,8 @@ class HookRuntime:
         if ev.empty:
             return
         t0 = time.perf_counter()
+        self.repeat.forget()
+        self.collector.close_run()
         try:
             for rid in ev.finished:
                 self._finish(rid)
@@ -253,19 +259,29 @@ class HookRuntime:
 
     def begin_step(self, view: StepView) -> None:
         """Write this step's routing. Called after the runner prepared inputs, before forward."""
-        self._step = None
+        self._step = self._repeated = None
         if not self.active and not self._steer_dirty:
             return
         t0 = time.perf_counter()
         try:
-            self._route(view)
+            self._repeated = self.repeat.next(view)
+            if self._repeated is None:
+                self._route(view)
+            else:
+                self.collector.drain()
+                self.timing["repeated_steps"] += 1
         except Exception as e:
+            self.repeat.forget()
+            self._repeated = None
             log.exception("vllm_hook: routing failed; this step runs unhooked")
             for r in self.active.values():
                 _note(r.errors, f"internal error in vllm_hook routing: {e!r}")
             self._reset_steering(view.num_tokens_padded)
+        dt = time.perf_counter() - t0
         self.timing["hooked_steps"] += 1
-        self.timing["step_host_s"] += time.perf_counter() - t0
+        self.timing["step_host_s"] += dt
+        if self._repeated is not None:
+            self.timing["repeated_s"] += dt
 
     def _route(self, view: StepView) -> None:
         self.tables.flush()
@@ -302,6 +318,7 @@ class HookRuntime:
             _note(req.errors, msg)
         for rid in finished_routing:
             self.active.pop(rid, None)
+        self.repeat.remember(view, routing, entries, routes_changed=bool(finished_routing))
         self._step = routing
         self.steps_routed += 1
 
@@ -314,10 +331,15 @@ class HookRuntime:
     def end_step(self) -> None:
         """After the forward was queued: compute attention weights where asked, queue copies."""
         step, self._step = self._step, None
-        if step is None:
+        repeated, self._repeated = self._repeated, None
+        if step is None and repeated is None:
             return
         t0 = time.perf_counter()
         try:
+            if repeated is not None:
+                step = repeated[0]
+                self.collector.after_repeat(*repeated)
+                return
             extras = []
             if any(seg.owner.attn_jobs for seg in step.segments):
                 extras = scores_for_step(step, self.bufs.pools[POOL_Q], self.attn_layers)
@@ -326,7 +348,11 @@ class HookRuntime:
             log.exception("vllm_hook: capture copy failed")
             for seg in step.segments:
                 _note(seg.owner.errors, f"internal error copying captures: {e!r}")
-        self.timing["step_host_s"] += time.perf_counter() - t0
+        finally:
+            dt = time.perf_counter() - t0
+            self.timing["step_host_s"] += dt
+            if repeated is not None:
+                self.timing["repeated_s"] += dt
 
     def _deliver(self, seg: Segment, rows: torch.Tensor) -> None:
         req: HookRequest = seg.owner

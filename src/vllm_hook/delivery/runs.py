@@ -1,0 +1,70 @@
+"""Captured rows of repeated decode steps, gathered per run instead of per step and request.
+
+A run is a sequence of decode steps that repeat one routing (`worker.repeat`): the same
+segments, every position one further each step. Each step's pool rows go, by one
+asynchronous copy per pool, into the next slot of a pinned buffer [steps, rows, width]; no
+per-request work happens on the step path. When the run ends, each segment's rows of every
+step are copied out at once, one store chunk per request and run (host time per step is what
+a hooked batch adds to vLLM's, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..routing import Segment, StepRouting
+from .hostmem import host_empty
+
+RUN_BYTES = 16 << 20     # pinned bytes per run; a run this full is closed and a new one opened
+MAX_STEPS = 256
+
+
+class DecodeRun:
+    def __init__(self, template: StepRouting, first_step: int, pools: list[torch.Tensor | None]):
+        self.template = template
+        self.first_step = first_step          # steps after the template's own
+        self.steps = 0
+        self.closed = False
+        used = {pid: n for pid, n in template.pool_used.items() if n}
+        self.step_bytes = sum(n * pools[pid].shape[1] * pools[pid].element_size() for pid, n in used.items())
+        self.capacity = max(1, min(MAX_STEPS, RUN_BYTES // max(self.step_bytes, 1)))
+        self._src = {pid: pools[pid][:n] for pid, n in used.items()}
+        on_device = next(iter(self._src.values())).device.type != "cpu"
+        self._bufs = {pid: torch.empty((self.capacity, *src.shape), dtype=src.dtype, pin_memory=on_device)
+                      for pid, src in self._src.items()}
+        self._event = torch.cuda.Event() if on_device else None     # CPU: copies are done at once
+
+    def follows(self, template: StepRouting, step: int) -> bool:
+        """Whether `step` of `template` is this run's next step, with a slot for it."""
+        return (not self.closed and template is self.template and step == self.first_step + self.steps
+                and self.steps < self.capacity)
+
+    def add(self) -> None:
+        """Queue this step's copies (after its forward, on the compute stream)."""
+        for pid, src in self._src.items():
+            self._bufs[pid][self.steps].copy_(src, non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        self.steps += 1
+
+    def ready(self) -> bool:
+        return self.closed and (self._event is None or self._event.query())
+
+    def hand_over(self, deliver: Callable[[Segment, torch.Tensor], None]) -> None:
+        """Each segment's rows of every step: [points * steps, width], point-major, as the
+        store keeps a chunk."""
+        if self._event is not None:
+            self._event.synchronize()
+        S = self.steps
+        for seg in self.template.segments:
+            G = len(seg.points)
+            first = 0 if not seg.last_only else max(0, S - 2)   # "last" keeps the newest two
+            block = self._bufs[seg.pool][first:S, seg.pool_start:seg.pool_start + G]   # [s, G, W]
+            rows = host_empty((G, S - first, block.shape[-1]), block.dtype)
+            rows.copy_(block.transpose(0, 1))
+            p0 = int(seg.positions[0]) + self.first_step + first
+            deliver(Segment(seg.owner, seg.points, 0, np.arange(p0, p0 + S - first, dtype=np.int64),
+                            seg.last_only, seg.pool, seg.rows), rows.view(-1, block.shape[-1]))
