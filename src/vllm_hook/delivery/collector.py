@@ -57,7 +57,7 @@ class Collector:
     def close_run(self) -> None:
         """End the open run: it is handed over once its copies are done."""
         if self._run is not None:
-            self._run.closed = True
+            self._run.close()
             self._run = None
 
     def after_forward(self, routing: StepRouting, extras: list[tuple[Segment, torch.Tensor]] = ()) -> None:

@@ -36,6 +36,7 @@ class DecodeRun:
         self._bufs = {pid: torch.empty((self.capacity, *src.shape), dtype=src.dtype, pin_memory=on_device)
                       for pid, src in self._src.items()}
         self._event = torch.cuda.Event() if on_device else None     # CPU: copies are done at once
+        self._stream = torch.cuda.current_stream() if on_device else None   # the steps' stream
 
     def follows(self, template: StepRouting, step: int) -> bool:
         """Whether `step` of `template` is this run's next step, with a slot for it."""
@@ -46,9 +47,14 @@ class DecodeRun:
         """Queue this step's copies (after its forward, on the compute stream)."""
         for pid, src in self._src.items():
             self._bufs[pid][self.steps].copy_(src, non_blocking=True)
-        if self._event is not None:
-            self._event.record()
         self.steps += 1
+
+    def close(self) -> None:
+        """No more steps. The event is recorded now, on the steps' stream, not per step: it
+        covers every copy queued before it (and at most a later forward, a step's delay)."""
+        if self._event is not None:
+            self._event.record(self._stream)
+        self.closed = True
 
     def ready(self) -> bool:
         return self.closed and (self._event is None or self._event.query())
