@@ -331,10 +331,11 @@ def test_collector_keeps_large_pinned_steps_within_a_budget(monkeypatch):
     assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr() != host.data_ptr()
 
 
-def test_table_writes_on_a_gpu_wait_for_the_flush_and_keep_the_last_write():
-    """On a GPU the op and vector rows of admitted requests are uploaded at the step's routing,
-    from pinned memory without waiting (a copy from ordinary memory synchronised the stream at
-    every admission, run 22); a row written twice before a flush ends with its last write."""
+def test_table_writes_wait_for_the_flush_and_keep_the_last_write():
+    """The op and vector rows of admitted requests are written at the step's routing (on a GPU
+    uploaded from pinned memory without waiting: a copy from ordinary memory synchronised the
+    stream at every admission, run 22); a row written twice before a flush ends with its last
+    write."""
     from vllm_hook.config import HookConfig
     from vllm_hook.model.buffers import BufferShape, HookBuffers
     from vllm_hook.model.layout import PointTable
@@ -345,7 +346,6 @@ def test_table_writes_on_a_gpu_wait_for_the_flush_and_keep_the_last_write():
                                    cfg=cfg, points=PointTable.for_config(3, cfg))
     bufs = HookBuffers(shape, dtype=torch.float32, device=torch.device("cpu"))
     t = DeviceTables(bufs)
-    t._on_device = True                             # queue as on a GPU (uploads stay on the CPU)
     prm0, k = bufs.op_prm.clone(), bufs.op_prm.shape[1]
     a = t.acquire_ops([[1.0] * k])
     t.release_ops(a)

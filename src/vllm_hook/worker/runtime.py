@@ -264,11 +264,11 @@ class HookRuntime:
             return
         t0 = time.perf_counter()
         try:
+            self.collector.drain()
             self._repeated = self.repeat.next(view)
             if self._repeated is None:
                 self._route(view)
             else:
-                self.collector.drain()
                 self.timing["repeated_steps"] += 1
         except Exception as e:
             self.repeat.forget()
@@ -277,15 +277,17 @@ class HookRuntime:
             for r in self.active.values():
                 _note(r.errors, f"internal error in vllm_hook routing: {e!r}")
             self._reset_steering(view.num_tokens_padded)
-        dt = time.perf_counter() - t0
         self.timing["hooked_steps"] += 1
+        self._count_host(t0, self._repeated is not None)
+
+    def _count_host(self, t0: float, repeated: bool) -> None:
+        dt = time.perf_counter() - t0
         self.timing["step_host_s"] += dt
-        if self._repeated is not None:
+        if repeated:
             self.timing["repeated_s"] += dt
 
     def _route(self, view: StepView) -> None:
         self.tables.flush()
-        self.collector.drain()
         T_pad = view.num_tokens_padded
         if T_pad > self.bufs.shape.max_tokens:
             raise RuntimeError(f"step has {T_pad} rows, buffers hold {self.bufs.shape.max_tokens}")
@@ -349,10 +351,7 @@ class HookRuntime:
             for seg in step.segments:
                 _note(seg.owner.errors, f"internal error copying captures: {e!r}")
         finally:
-            dt = time.perf_counter() - t0
-            self.timing["step_host_s"] += dt
-            if repeated is not None:
-                self.timing["repeated_s"] += dt
+            self._count_host(t0, repeated is not None)
 
     def _deliver(self, seg: Segment, rows: torch.Tensor) -> None:
         req: HookRequest = seg.owner

@@ -2,9 +2,9 @@
 
 Rows are written once, when a request is admitted, and released when it finishes. Writes are
 stream-ordered after earlier forwards, so reusing a released row never changes a step that
-is already queued. On a GPU they are queued, not made at admission: `flush` uploads them
-from pinned memory without waiting, right before the step's routing upload (a copy from
-ordinary memory would wait for the GPU to finish every queued step first).
+is already queued. They are queued, not made at admission: `flush` uploads them right before
+the step's routing, on a GPU from pinned memory without waiting (a copy from ordinary memory
+would wait for the GPU to finish every queued step first).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ class DeviceTables:
         self._vec_digest: dict[int, str] = {}
         self.units: dict[int, np.ndarray] = {}   # row -> unit vector (host copy, for u.u)
         self.norms: dict[int, float] = {}
-        self._on_device = bufs.device.type != "cpu"
-        self._ops: list[tuple[int, list[float]]] = []     # queued writes (GPU): row, params
+        self._ops: list[tuple[int, list[float]]] = []     # queued writes: row, params
         self._vecs: list[tuple[int, np.ndarray]] = []     # row, unit vector
 
     def acquire_vector(self, digest: str, values: np.ndarray) -> int:
@@ -46,10 +45,7 @@ class DeviceTables:
             v = np.asarray(values, dtype=np.float64)
             norm = float(np.linalg.norm(v))
             u = (v / norm if norm > 0 else v).astype(np.float32)
-            if self._on_device:
-                self._vecs.append((row, u))
-            else:
-                self.bufs.unit[row].copy_(torch.from_numpy(u))
+            self._vecs.append((row, u))
             self.units[row], self.norms[row] = u, norm
             self._vec_rows[digest] = row
             self._vec_digest[row] = digest
@@ -71,15 +67,11 @@ class DeviceTables:
             raise TableFull("the steering op table is full; too many steered requests are "
                             "preempted at once. Lower max_num_seqs or steer fewer layers")
         rows = [self._free_ops.pop() for _ in range(n)]
-        if n and self._on_device:
-            self._ops.extend(zip(rows, params))
-        elif n:
-            self.bufs.op_prm.index_copy_(0, torch.tensor(rows, dtype=torch.int64),
-                                         torch.tensor(params, dtype=torch.float32))
+        self._ops.extend(zip(rows, params))
         return rows
 
     def flush(self) -> None:
-        """Queue the uploads of rows written since the last flush (GPU), in order."""
+        """Write (on a GPU: queue the uploads of) the rows acquired since the last flush."""
         for queued, table in ((self._ops, self.bufs.op_prm), (self._vecs, self.bufs.unit)):
             if not queued:
                 continue
