@@ -181,11 +181,16 @@ def bench(workers: dict[str, Worker], L: int, args, save) -> dict:
             plugin = workers[ENGINE_OF.get(name, "plugin_lean")]
             for rep in range(args.reps):
                 rn = tpot(native, c, args.prompt_len, args.gen, None, 1)
+                # The same batch without specs on the same plugin engine, next to the hooked
+                # one (order alternating per rep): one process, so both share its speed mode
+                # (the lent machine's processes switch between a fast and a slow mode, run
+                # 18), which the native pair does not.
+                # (For `unused` both are the same batch: the estimator's own null control.)
+                pair = args.in_engine
+                ru = tpot(plugin, c, args.prompt_len, args.gen, None, 1) if pair and rep % 2 else None
                 rp = tpot(plugin, c, args.prompt_len, args.gen, specs, 1)
-                # The same batch without specs on the same plugin engine, right after: one
-                # process, so both share its speed mode (the lent machine's processes switch
-                # between a fast and a slow mode, run 18), which the native pair does not.
-                ru = tpot(plugin, c, args.prompt_len, args.gen, None, 1) if args.in_engine and any(specs) else None
+                if pair and not rep % 2:
+                    ru = tpot(plugin, c, args.prompt_len, args.gen, None, 1)
                 m = rn["method"]
                 row = {"workload": name, "concurrency": c, "rep": rep, "native_s": rn[m], "plugin_s": rp[m],
                        "native_wall_s": rn["wall_s"], "plugin_wall_s": rp["wall_s"], "engine": plugin.name,
