@@ -363,6 +363,9 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", help="bench: only these decode-time workloads")
     ap.add_argument("--sections", nargs="+", default=["tpot", "prefill", "e2e"],
                     choices=["tpot", "prefill", "e2e"], help="bench: which measurements")
+    ap.add_argument("--plugin-first", action="store_true",
+                    help="start plugin_lean before native_graph (a check that the engines' start order "
+                         "does not decide the native/plugin ratio)")
     ap.add_argument("--in-engine", action="store_true",
                     help="tpot: after each hooked measurement, time the same batch without specs on the "
                          "same plugin engine (the `in-engine` column: hooked over unhooked, one process)")
@@ -416,6 +419,8 @@ def main() -> None:
     if args.suite in ("check", "all"):
         plan += [("native_eager", True, {"enforce_eager": True}),
                  ("plugin_full_eager", False, {"enforce_eager": True, "additional_config": full_cfg})]
+    if args.plugin_first:
+        plan.sort(key=lambda p: p[0] != "plugin_lean")
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // len(plan)
     try:
