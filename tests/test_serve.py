@@ -328,6 +328,15 @@ BAD_SPECS = {
                        "not available over HTTP"),
     "unknown_vector": ({"steer": [{"op": "add", "layer": 0, "vector": "no_such"}]}, 404,
                        "no registered vector named 'no_such'"),
+    # Hostile values that used to reach the workers or give HTTP 500 (reliability issue).
+    "nested_json": ("[" * 10000 + "]" * 10000, 400, "nested too deeply"),
+    "position_1e30": ({"steer": [{"op": "add", "layer": 0, "vector": GOOD, "tokens": [1e30]}]}, 400,
+                      "expected an integer"),
+    "position_2_pow_63": ({"steer": [{"op": "add", "layer": 0, "vector": GOOD, "tokens": [2 ** 63]}]}, 400,
+                          "max_model_len"),
+    "layer_true": ({"capture": [{"layers": [True]}]}, 400, "expected an integer"),
+    "overflowing_scale": ({"steer": [{"op": "add", "layer": 0, "vector": GOOD, "scale": 1e39}]}, 400,
+                          "exceeds"),
 }
 
 
@@ -347,6 +356,28 @@ def test_bad_spec_status(server, client, case, route, stream):
     err = r.json()["error"]
     assert needle in err["message"] and "Fix:" in err["message"] and err["code"] == status
     _good_request_works(client)
+
+
+def test_hostile_inputs_keep_the_connection(server):
+    """One keep-alive connection: every hostile request gets a 4xx and the next, valid one on
+    the same connection is served (a 500 used to close it)."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    good = {"model": tiny_model("qwen2"), "prompt": P2, "max_tokens": 1,
+            "vllm_xargs": {"vllm_hook": json.dumps({"capture": [{"layers": [0], "tokens": "last_prompt"}]})}}
+    with httpx.Client(base_url=server.url, headers=auth, timeout=60) as http:
+        for case in ("nested_json", "position_1e30", "position_2_pow_63", "overflowing_scale"):
+            spec = BAD_SPECS[case][0]
+            raw = spec if isinstance(spec, str) else json.dumps(spec)
+            r = http.post("/v1/completions", json={**good, "vllm_xargs": {"vllm_hook": raw}})
+            assert r.status_code == 400, (case, r.text)
+            assert http.post("/v1/completions", json=good).status_code == 200, case
+        nested = b'{"v": ' + b"[" * 10000 + b"]" * 10000 + b"}"
+        r = http.post("/v1/hook/vectors", content=nested, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.text, r.text
+        r = http.post("/v1/hook/vectors", json={"v": [[[1.0]]]})
+        assert r.status_code == 400, r.text
+        assert http.post("/v1/completions", json=good).status_code == 200
+        assert http.get("/v1/hook/health").json()["pending_requests"] == 0
 
 
 @pytest.mark.parametrize("case", ["bad_layer", "unknown_vector"])

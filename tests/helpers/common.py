@@ -45,3 +45,11 @@ def vec(seed: int, hidden: int = 128) -> torch.Tensor:
 
 def res(out):
     return vllm_hook.results(out)
+
+
+def runtime(llm):
+    """The worker's HookRuntime of an in-process engine (tests only: fault injection)."""
+    from vllm_hook.adapters.common import runtime_of
+
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    return runtime_of(worker.model_runner)

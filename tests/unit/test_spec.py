@@ -129,7 +129,7 @@ def test_steering_salts_and_capture_skips_cache():
 
 
 def test_named_vector_resolves_to_digest():
-    r = R({"steer": [{"op": "add", "layer": 0, "vector": "calm"}]}, names={"calm": "abc"})
+    r = R({"steer": [{"op": "add", "layer": 0, "vector": "calm"}]}, names={"calm": ("abc", 1.0)})
     assert r.wire["steer"][0]["name"] == "calm" and r.wire["steer"][0]["digest"] == "abc"
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from ..config import CONFIG_KEY, HookConfig
 from .patching import wrap_method, when_imported
 
+PROMPT_INDEX = "_vllm_hook_prompt_index"
+
 
 def _stamp_config(orig):
     def create_engine_config(self, *args, **kwargs):
@@ -33,6 +35,49 @@ def _process_inputs(orig):
         admit(self, request_id, request)
         return request
     return process_inputs
+
+
+def _render_and_add(orig):
+    """Counts the prompts of one call, so a spec error can name the bad one."""
+    def render_and_add_requests(self, *args, **kwargs):
+        self.__dict__[PROMPT_INDEX] = 0
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            self.__dict__.pop(PROMPT_INDEX, None)
+    return render_and_add_requests
+
+
+def _add_one(orig):
+    from ..spec.errors import SpecError
+
+    def add_request(self, *args, **kwargs):
+        i = self.__dict__.get(PROMPT_INDEX)
+        try:
+            return orig(self, *args, **kwargs)
+        except SpecError as e:
+            if i is None:
+                raise
+            raise e.at_prompt(i) from None
+        finally:
+            if i is not None:
+                self.__dict__[PROMPT_INDEX] = i + 1
+    return add_request
+
+
+def _forget_on_failure(orig):
+    """A request vLLM fails to add after admission (past the spec checks) leaves no record."""
+    from ..frontend.state import maybe_state
+
+    def add_request(self, request_id, *args, **kwargs):
+        try:
+            return orig(self, request_id, *args, **kwargs)
+        except Exception:
+            st = maybe_state(self.input_processor)
+            if st is not None:
+                st.pop_pending(str(request_id))
+            raise
+    return add_request
 
 
 def _run_engine(orig):
@@ -78,11 +123,15 @@ def _async_abort(orig):
 
 
 def _patch_llm(mod) -> None:
+    found = set()
     for klass in mod.LLM.__mro__:
-        if "_run_engine" in klass.__dict__:
-            wrap_method(klass, "_run_engine", _run_engine)
-            return
-    raise RuntimeError("vllm-hook: vllm.LLM has no _run_engine; unsupported vLLM version")
+        for name, make in (("_run_engine", _run_engine), ("_render_and_add_requests", _render_and_add),
+                           ("_add_request", _add_one)):
+            if name in klass.__dict__ and name not in found:
+                wrap_method(klass, name, make)
+                found.add(name)
+    if "_run_engine" not in found:
+        raise RuntimeError("vllm-hook: vllm.LLM has no _run_engine; unsupported vLLM version")
 
 
 def install() -> None:
@@ -91,7 +140,14 @@ def install() -> None:
     when_imported("vllm.v1.engine.input_processor",
                   lambda m: wrap_method(m.InputProcessor, "process_inputs", _process_inputs))
     when_imported("vllm.entrypoints.llm", _patch_llm)
-    when_imported("vllm.v1.engine.llm_engine",
-                  lambda m: wrap_method(m.LLMEngine, "abort_request", _abort_request))
-    when_imported("vllm.v1.engine.async_llm",
-                  lambda m: wrap_method(m.AsyncLLM, "abort", _async_abort))
+    when_imported("vllm.v1.engine.llm_engine", _patch_engine)
+    when_imported("vllm.v1.engine.async_llm", _patch_async_engine)
+
+
+def _patch_engine(mod) -> None:
+    wrap_method(mod.LLMEngine, "abort_request", _abort_request)
+    wrap_method(mod.LLMEngine, "add_request", _forget_on_failure)
+
+
+def _patch_async_engine(mod) -> None:
+    wrap_method(mod.AsyncLLM, "abort", _async_abort)   # add_request: adapters/server.py

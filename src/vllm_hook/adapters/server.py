@@ -23,7 +23,7 @@ from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
-from ..frontend.delivery import RPC, fetch_args, merge_ranks, results_for
+from ..frontend.delivery import RPC, failed, fetch_args, merge_ranks, results_for
 from ..frontend.state import FrontendState, maybe_state, state_of
 from ..results import ATTR, Results
 from ..server import encode
@@ -85,9 +85,8 @@ async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Resu
     res = item[1]
     entries: list[dict] = []
     try:
-        if res.items:
-            replies = await engine.collective_rpc(RPC, args=fetch_args(st, [res.key]))
-            entries = merge_ranks(replies).get(res.key, [])
+        replies = await engine.collective_rpc(RPC, args=fetch_args(st, [res.key]))
+        entries = merge_ranks(replies).get(res.key, [])
         # Forgotten only now: if the client goes away during the fetch, the abort that
         # follows still finds the request and discards its results on the workers.
         st.pop_pending(request_id)
@@ -95,9 +94,7 @@ async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Resu
     except Exception as e:  # the generation succeeded: report, never fail the HTTP request
         st.pop_pending(request_id)
         log.exception("vllm_hook: fetching results of %s failed", request_id)
-        return Results(request_id=request_id, prompt_len=len(view.prompt_token_ids),
-                       token_ids=list(view.prompt_token_ids),
-                       errors=[f"results could not be fetched from the workers: {e!r}"])
+        return failed(view, f"results could not be fetched from the workers: {e!r}")
 
 
 async def _delivering(engine, agen, request_id: str, delta: bool, sink, slot):
@@ -164,11 +161,15 @@ def _flavoured_init(self, err: SpecError) -> None:
 
 
 def _add_request(orig):
-    async def add_request(self, *args, **kwargs):
+    async def add_request(self, request_id, *args, **kwargs):
         try:
-            return await orig(self, *args, **kwargs)
-        except SpecError as e:
-            if type(e) in _FLAVOURED.values():
+            return await orig(self, request_id, *args, **kwargs)
+        except Exception as e:
+            # Admitted but not added (vLLM refused it later): leave no pending record.
+            st = maybe_state(self.input_processor)
+            if st is not None:
+                st.pop_pending(str(request_id))
+            if not isinstance(e, SpecError) or type(e) in _FLAVOURED.values():
                 raise
             raise _vllm_flavoured(e) from e
     return add_request

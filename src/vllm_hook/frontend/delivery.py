@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -11,6 +12,7 @@ from ..results import ATTR, Results, build
 from .state import FrontendState
 
 RPC = "vllm_hook_call"
+log = logging.getLogger("vllm_hook")
 
 
 def fetch_args(st: FrontendState, keys: list[str]) -> tuple:
@@ -87,13 +89,39 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
                 todo.append((out, res))
     if not todo:
         return
-    keys = [res.key for _, res in todo if res.items]
+    # Steer-only requests too: a worker-side failure (a full vector table, a vector deleted
+    # before the request ran) must reach their results.
+    keys = [res.key for _, res in todo]
     t = time.perf_counter()
-    fetched = merge_ranks(rpc(RPC, args=fetch_args(st, keys))) if keys else {}
+    try:
+        fetched = merge_ranks(rpc(RPC, args=fetch_args(st, keys)))
+    except Exception as e:   # generation succeeded: every output keeps its tokens
+        log.exception("vllm_hook: fetching results from the workers failed")
+        fetched, failure = {}, f"results could not be fetched from the workers: {e!r}"
+    else:
+        failure = None
     st.timing["fetch_rpc_s"] += time.perf_counter() - t
-    st.timing["fetches"] += bool(keys)
+    st.timing["fetches"] += 1
     for out, res in todo:
-        setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res))
+        if failure is not None:
+            setattr(out, ATTR, failed(out, failure))
+            continue
+        try:
+            setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res))
+        except Exception as e:    # one request's results, not the batch's
+            log.exception("vllm_hook: building the results of %s failed", out.request_id)
+            setattr(out, ATTR, failed(out, f"results could not be assembled: {e!r}"))
+
+
+def failed(output: Any, message: str) -> Results | list[Results]:
+    """What a request whose results were lost carries instead: its tokens and the error."""
+    prompt = list(getattr(output, "prompt_token_ids", None) or [])
+    outs = list(getattr(output, "outputs", None) or [None])
+    rs = [Results(request_id=str(output.request_id), prompt_len=len(prompt),
+                  token_ids=prompt + (list(c.token_ids) if c is not None else []),
+                  index=getattr(c, "index", 0) if c is not None else 0, errors=[message])
+          for c in outs]
+    return rs[0] if len(rs) == 1 else rs
 
 
 def forget(st: FrontendState, request_ids: Sequence[str]) -> list[str]:
@@ -104,6 +132,6 @@ def forget(st: FrontendState, request_ids: Sequence[str]) -> list[str]:
         res = st.pop_pending(str(rid))
         if res is None and "-" in str(rid):
             res = st.pop_pending(str(rid).rsplit("-", 1)[0])
-        if res is not None and res.items:
+        if res is not None:
             keys.append(res.key)
     return keys

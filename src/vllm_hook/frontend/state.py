@@ -24,7 +24,7 @@ class FrontendState:
     info: ModelInfo
     points: PointTable
     max_model_len: int
-    names: dict[str, str] = field(default_factory=dict)        # name -> digest
+    names: dict[str, tuple[str, float]] = field(default_factory=dict)   # name -> (digest, norm)
     pending: dict[str, tuple[float, Resolved]] = field(default_factory=dict)
     # Seconds spent delivering results, summed: where a large capture's time goes.
     timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(

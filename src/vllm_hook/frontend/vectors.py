@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from ..spec.errors import SpecError
 from ..spec.vectors import check_vector, decode_vector, vector_digest
 from .delivery import RPC
@@ -13,7 +15,9 @@ from .state import FrontendState
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 
-def prepare(st: FrontendState, vectors: Mapping[str, Any]) -> tuple[dict[str, bytes], dict[str, str]]:
+def prepare(st: FrontendState, vectors: Mapping[str, Any]
+            ) -> tuple[dict[str, bytes], dict[str, tuple[str, float]]]:
+    """Checked float32 bytes of each vector, and its (digest, norm) for admission."""
     payload, digests = {}, {}
     for name, value in vectors.items():
         where = f"vectors[{name!r}]"
@@ -24,7 +28,7 @@ def prepare(st: FrontendState, vectors: Mapping[str, Any]) -> tuple[dict[str, by
             raise SpecError(where, "a vector cannot be registered as another name", "pass values")
         arr = check_vector(arr, st.info.hidden_size, where, need_norm=False)
         payload[name] = arr.tobytes()
-        digests[name] = vector_digest(arr)
+        digests[name] = (vector_digest(arr), float(np.linalg.norm(arr.astype(np.float64))))
     return payload, digests
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import HookConfig
-from ..spec.resolve import ModelInfo
+from ..spec.resolve import ModelInfo, steer_bound
 from .buffers import BufferShape, HookBuffers
 from .layout import POOL_K, POOL_Q, PointTable
 from .steering import capture_rows, steer_delta
@@ -40,6 +40,7 @@ class _LayerHook:
     _vh_embed: bool = False
     _vh_projections: bool = False
     _vh_steer: bool = True
+    _vh_bound: float = float("inf")
 
     def forward(self, *args: Any, **kwargs: Any):
         if self._vh_embed:
@@ -53,7 +54,7 @@ class _LayerHook:
             if self._vh_steer:
                 stream = hs.float() + res.float()
                 delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
-                                    self._vh_num_ops, self._vh_projections)
+                                    self._vh_num_ops, self._vh_projections, self._vh_bound)
                 res = (res.float() + delta).to(res.dtype)
             # What the next layer reads: its fused add computes hs + res in fp32.
             capture_rows(hs.float() + res.float(), self._vh_cap_idx, self._vh_pool)
@@ -62,7 +63,7 @@ class _LayerHook:
         if self._vh_steer:
             stream = hs.float()
             delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
-                                self._vh_num_ops, self._vh_projections)
+                                self._vh_num_ops, self._vh_projections, self._vh_bound)
             hs = (stream + delta).to(hs.dtype)
         capture_rows(hs, self._vh_cap_idx, self._vh_pool)
         return (hs, *out[1:]) if isinstance(out, tuple) else hs
@@ -162,6 +163,7 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
         layer._vh_num_ops = shape.ops_per_layer
         layer._vh_projections = i in proj
         layer._vh_steer = i in steer
+        layer._vh_bound = steer_bound(info, shape.ops_per_layer)
         for name in _SHARED:
             _buf(layer, name, getattr(bufs, name))
         _buf(layer, "op_idx", bufs.op_cols(i))

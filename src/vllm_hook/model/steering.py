@@ -19,6 +19,11 @@ so one pass computes every s_k and ||h||^2, and one pointwise pass adds sum_k b_
 That pass is one extra reduction kernel per step, so it exists only at the layers the engine
 enables for projections (cap, ablate, norm_match). Elsewhere b = c_add*||v||: no reduction,
 and the update fuses into the next layer's add+RMSNorm kernel.
+
+No op may move a row by more than `bound` (`spec.resolve.steer_bound`): additive ops are
+refused beyond it at admission, and b of the stream-dependent ones is clamped to it here (a
+NaN b, from a stream that is already non-finite, counts as 0). So the plugin never writes a
+non-finite value into the residual stream, whatever a request asks for.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def steer_delta(
     unit: torch.Tensor,       # [V+1, H] fp32 unit vectors (row 0: zeros)
     num_ops: int,
     projections: bool = True,
+    bound: float = float("inf"),
 ) -> torch.Tensor:
     """Sum of this layer's updates for every row ([T, H]); exactly 0 for unsteered rows."""
     T = h.shape[0]
@@ -64,6 +70,7 @@ def steer_delta(
         n = torch.sqrt(torch.clamp(n2, min=0.0))
         b = (prm[:, k, C_ADD] + prm[:, k, C_NORM] * n
              + (torch.clamp(p, prm[:, k, LO], prm[:, k, HI]) - p) + prm[:, k, C_ABL] * p)
+        b = torch.nan_to_num(b, nan=0.0).clamp(-bound, bound)
         n2 = n2 + 2.0 * b * p + b * b
         betas.append(b)
     return (torch.stack(betas, dim=1).unsqueeze(-1) * u).sum(dim=1)

@@ -94,13 +94,16 @@ async def register_vectors(request: Request):
         return _no_engine()
     try:
         body = json.loads(await request.body())
-    except ValueError as e:
-        return _fail(f"request body is not valid JSON: {e}. Send an object "
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else f"not valid JSON: {e}"
+        return _fail(f"request body is {why}. Send an object "
                      '{"name": [floats] or {"b64": ..., "dtype": "float32"}}', 400, "BadRequestError")
     if not isinstance(body, dict) or not body:
         return _fail('expected a non-empty JSON object {"name": vector, ...}', 400, "BadRequestError")
     try:
         payload, digests = prepare(sv.frontend, body)
+    except RecursionError:
+        return _fail("a vector is nested too deeply: send a flat list of floats", 400, "BadRequestError")
     except SpecError as e:
         status, err_type = status_of(e)
         return _fail(str(e), status, err_type)

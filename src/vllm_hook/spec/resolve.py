@@ -33,6 +33,7 @@ class ModelInfo:
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+    dtype: str = "float32"          # the dtype the model computes in (torch's name)
 
     @classmethod
     def from_model_config(cls, model_config: Any) -> "ModelInfo":
@@ -46,7 +47,25 @@ class ModelInfo:
             num_heads=heads,
             num_kv_heads=int(getattr(hf, "num_key_value_heads", heads) or heads),
             head_dim=int(getattr(hf, "head_dim", 0) or (hidden // heads if heads else 0)),
+            dtype=str(getattr(model_config, "dtype", "float32")).removeprefix("torch."),
         )
+
+
+_DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
+              "float16": 65504.0}
+
+
+def steer_bound(model: ModelInfo, max_ops_per_layer: int) -> float:
+    """The largest update one steering op may make to a row (the norm of its b*u).
+
+    Chosen so that even every op of every layer at this size keeps the residual stream
+    finite in the model's dtype and its squared norm finite in float32 (what the next
+    RMSNorm computes): a request can never make the plugin write inf or NaN into the
+    stream, nor into the KV cache that later requests reuse. Additive ops beyond it are
+    refused at admission; stream-dependent ones (norm_match, cap, ablate) are clamped to it
+    in the model (`model/steering.py`)."""
+    big = min(math.sqrt(_DTYPE_MAX["float32"]), _DTYPE_MAX.get(model.dtype, _DTYPE_MAX["float16"]))
+    return big / (4.0 * max(model.num_layers, 1) * max(max_ops_per_layer, 1))
 
 
 @dataclass
@@ -106,8 +125,8 @@ def _heads(spec_heads, layer: int, n_layers: int, total: int, where: str) -> lis
         raise SpecError(where, "empty head list", 'list at least one head or use "all"')
     for h in spec_heads:
         if not 0 <= h < total:
-            raise SpecError(where, f"head {h} is out of range: this layer has {total} heads",
-                            f"use heads 0..{total - 1}")
+            raise SpecError(where, f"head {h} is out of range: this layer has {total} "
+                            f"head{'s' if total != 1 else ''}", f"use heads 0..{total - 1}")
     return sorted(set(spec_heads))
 
 
@@ -126,9 +145,10 @@ def resolve(
     known_vectors: Callable[[str], str | None],
     max_model_len: int | None = None,
 ) -> Resolved:
-    """Validate `spec` for this model and prompt. `known_vectors(name)` returns the digest of a
-    registered vector or None."""
+    """Validate `spec` for this model and prompt. `known_vectors(name)` returns (digest, norm)
+    of a registered vector, or None."""
     n, hidden = model.num_layers, model.hidden_size
+    bound = steer_bound(model, config.max_ops_per_layer)
     wire_cap, items = [], []
     for i, item in enumerate(spec.capture):
         where = f"capture[{i}]"
@@ -185,6 +205,9 @@ def resolve(
             raise SpecError(f"{where}.layer", f"more than {config.max_ops_per_layer} steering ops at layer {L}",
                             "merge ops, or raise additional_config vllm_hook.max_ops_per_layer")
         sel, pos = _selector(op.tokens, prompt_len, f"{where}.tokens")
+        if max_model_len and pos and pos[-1] >= max_model_len:
+            raise SpecError(f"{where}.tokens", f"position {pos[-1]} is beyond max_model_len={max_model_len}",
+                            "use positions inside the sequence")
         inf = math.inf
         if isinstance(op, AddOp):
             coef = [0.0, op.scale, 0.0, -inf, inf] if op.norm_match else [op.scale, 0.0, 0.0, -inf, inf]
@@ -217,19 +240,31 @@ def resolve(
                 raise SpecError(where, "scale is NaN or infinite", "pass a finite scale")
         if any(math.isnan(c) for c in coef[3:]):
             raise SpecError(where, "min/max is NaN", "pass finite bounds")
+        for name, c in (("scale", max(abs(coef[1]), abs(coef[2] + 1.0) if coef[2] else 0.0)),
+                        ("min", abs(coef[3])), ("max", abs(coef[4]))):
+            if math.isfinite(c) and c > bound:
+                raise SpecError(f"{where}.{name}", f"|{name}| = {c:.3g} exceeds {bound:.3g}, the largest "
+                                f"update this model's {model.dtype} residual stream can carry without "
+                                "overflowing", f"use a {name} of at most {bound:.3g} in magnitude")
         vec = decode_vector(op.vector, f"{where}.vector")
         entry = {"layer": L, "sel": sel, "pos": pos, "c": coef}
         if isinstance(vec, str):
-            digest = known_vectors(vec)
-            if digest is None:
+            known = known_vectors(vec)
+            if known is None:
                 raise UnknownVectorError(f"{where}.vector", f"no registered vector named {vec!r}",
                                          "register it first (vllm_hook.register_vectors or "
                                          "POST /v1/hook/vectors) or pass the values inline")
+            digest, norm = known
             entry["name"] = vec
         else:
             arr = check_vector(vec, hidden, f"{where}.vector", need_norm)
-            digest = vector_digest(arr)
+            digest, norm = vector_digest(arr), float(np.linalg.norm(arr.astype(np.float64)))
             entry["vec"] = arr.tobytes()
+        if coef[0] and abs(coef[0]) * norm > bound:
+            raise SpecError(f"{where}.scale", f"scale x ||vector|| = {abs(coef[0]) * norm:.3g} exceeds "
+                            f"{bound:.3g}, the largest update this model's {model.dtype} residual "
+                            "stream can carry without overflowing",
+                            f"use |scale| <= {bound / norm:.3g} with this vector")
         entry["digest"] = digest
         digests.append([L, sel, pos, coef, digest])
         wire_steer.append(entry)

@@ -6,19 +6,44 @@ checks it against the model and the prompt and produces the compact wire form fo
 from __future__ import annotations
 
 import json
+import numbers
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import SpecSite
 from .errors import SpecError
 
 SPEC_KEY = "vllm_hook"
 
+# Bounds on what one spec may hold: resolving it runs in the API server's event loop.
+MAX_CAPTURE_ITEMS = 1024
+MAX_STEER_OPS = 1024
+MAX_LIST = 65536          # positions, layers or heads in one list
+MAX_SPEC_CHARS = 32 << 20  # a spec as JSON text (inline vectors included)
+
+
+def _integer(v: Any) -> Any:
+    """Integers only: pydantic's lax mode would take True as 1 and 4.0 as 4."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"expected an integer, got {type(v).__name__} {v!r}")
+    return int(v)
+
+
+def _number(v: Any) -> Any:
+    """Real numbers only (no bools, no numeric strings)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
+    return float(v)
+
+
+Int = Annotated[int, BeforeValidator(_integer)]
+Float = Annotated[float, BeforeValidator(_number)]
+IntList = Annotated[list[Int], Field(min_length=0, max_length=MAX_LIST)]
 SelectorName = Literal["all", "prompt", "generated", "last_prompt", "last"]
-Selector = Union[SelectorName, list[int]]
-Layers = Union[Literal["all"], list[int], int]
-Heads = Union[Literal["all"], list[int], dict[str, list[int]]]
+Selector = Union[SelectorName, IntList]
+Layers = Union[Literal["all"], IntList, Int]
+Heads = Union[Literal["all"], IntList, dict[str, IntList]]
 
 
 class _Model(BaseModel):
@@ -42,7 +67,7 @@ class CaptureItem(_Model):
 
 
 class _SteerBase(_Model):
-    layer: int
+    layer: Int
     vector: Any = Field(description="list of floats, numpy/torch vector, base64 dict or a name")
     tokens: Selector = "all"
 
@@ -51,7 +76,7 @@ class AddOp(_SteerBase):
     """h <- h + scale*v, or with norm_match h <- h + scale*||h||*v/||v|| (per token)."""
 
     op: Literal["add"]
-    scale: float = 1.0
+    scale: Float = 1.0
     norm_match: bool = False
 
 
@@ -59,15 +84,15 @@ class CapOp(_SteerBase):
     """p = h.u (u = v/||v||); h <- h + (clamp(p, min, max) - p)*u."""
 
     op: Literal["cap"]
-    min: float | None = None
-    max: float | None = None
+    min: Float | None = None
+    max: Float | None = None
 
 
 class AblateOp(_SteerBase):
     """p = h.u; h <- h + (scale - 1)*p*u (scale 0 removes the direction)."""
 
     op: Literal["ablate"]
-    scale: float = 0.0
+    scale: Float = 0.0
 
 
 SteerOp = Annotated[Union[AddOp, CapOp, AblateOp], Field(discriminator="op")]
@@ -80,8 +105,8 @@ class SaveSpec(_Model):
 
 
 class HookSpec(_Model):
-    capture: list[CaptureItem] = Field(default_factory=list)
-    steer: list[SteerOp] = Field(default_factory=list)
+    capture: list[CaptureItem] = Field(default_factory=list, max_length=MAX_CAPTURE_ITEMS)
+    steer: list[SteerOp] = Field(default_factory=list, max_length=MAX_STEER_OPS)
     save: SaveSpec | None = None
     # The dtype of the delivered tensors: float32, or the dtype the model computes in ("model":
     # no conversion, half the bytes of float32 for a bf16 model).
@@ -107,29 +132,57 @@ def _loc(loc: tuple) -> str:
     return out or "spec"
 
 
+_FIELD_FIX = {
+    "scale": "pass a finite number", "min": "pass a finite number or leave it out",
+    "max": "pass a finite number or leave it out",
+    "vector": ("pass a list of floats, a numpy array or torch tensor, "
+               '{"b64": ..., "dtype": "float32"} or a registered name'),
+    "save": 'pass {"dir": "/path/to/folder"} (offline only)',
+    "norm_match": "pass true or false",
+    "capture": "pass a list of capture items, e.g. [{\"layers\": [0], \"tokens\": \"last\"}]",
+    "steer": "pass a list of steering ops, e.g. [{\"op\": \"add\", \"layer\": 0, \"vector\": ...}]",
+}
+
+
+def _pick(errors: list[dict]) -> dict:
+    """The most telling of pydantic's errors: the branch of a union that got furthest (its
+    first branch, such as "all" for layers, is rarely what the user meant), our own
+    validators' messages first."""
+    def telling(e: dict) -> tuple:
+        literal = e["type"] == "literal_error"
+        return (len(e["loc"]), literal == isinstance(e.get("input"), str), e["type"] == "value_error")
+    return max(errors, key=telling)
+
+
 def _first_error(err: ValidationError) -> SpecError:
-    e = min(err.errors(), key=lambda x: len(x["loc"]))
+    e = _pick(err.errors())
     where = _loc(e["loc"])
-    msg = e["msg"]
+    msg = e["msg"].removeprefix("Value error, ")
     etype = e["type"]
+    loc = [p for p in e["loc"] if isinstance(p, str) and p not in _BRANCH_TAGS and "[" not in p]
+    field = loc[-1] if loc else ""
     if etype == "extra_forbidden":
         fix = "remove it; see docs/spec.md for the fields this schema accepts"
         msg = f"unknown field {e['loc'][-1]!r}"
     elif etype == "union_tag_invalid" or etype == "union_tag_not_found":
         fix = 'use "op": "add", "cap" or "ablate"'
-    elif etype == "literal_error" and "site" in str(e["loc"]):
+    elif etype == "too_long":
+        fix = "split the work over several requests"
+    elif etype == "literal_error" and "site" in loc:
         fix = 'use one of "resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k", "attn_scores"'
-    elif "tokens" in str(e["loc"]):
+    elif "tokens" in loc:
         fix = ('use "all", "prompt", "generated", "last_prompt", "last" or a list of '
-               "token positions (negative counts from the end of the prompt)")
-    elif e["loc"] == ("dtype",):
+               "integer token positions (negative counts from the end of the prompt)")
+    elif loc == ["dtype"]:
         fix = 'use "float32" (the default) or "model" (the dtype the model computes in)'
-    elif "heads" in str(e["loc"]):
-        fix = 'use a list of head indices, "all", or {"<layer>": [heads]}'
-    elif "layers" in str(e["loc"]) or "layer" in str(e["loc"]):
-        fix = 'use a layer index (negative counts from the last layer), a list, or "all"'
+    elif "heads" in loc:
+        fix = 'use a list of integer head indices, "all", or {"<layer>": [heads]}'
+    elif "layers" in loc or "layer" in loc:
+        fix = 'use an integer layer index (negative counts from the last layer), a list of them, or "all"'
+    elif field in _FIELD_FIX:
+        fix = _FIELD_FIX[field]
     else:
-        fix = "see docs/spec.md"
+        fix = f"see docs/spec.md for {field or 'the spec'}"
     return SpecError(where, msg, fix)
 
 
@@ -140,11 +193,17 @@ def parse_spec(raw: Any) -> HookSpec:
     if isinstance(raw, (bytes, bytearray)):
         raw = raw.decode("utf-8", errors="replace")
     if isinstance(raw, str):
+        if len(raw) > MAX_SPEC_CHARS:
+            raise SpecError("spec", f"{len(raw)} characters is more than a spec may hold "
+                            f"({MAX_SPEC_CHARS})", "register large vectors once "
+                            "(register_vectors, POST /v1/hook/vectors) and name them")
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as e:
             raise SpecError("spec", f"malformed JSON ({e.msg} at position {e.pos})",
                             "send the spec as a JSON object, e.g. json.dumps(spec)") from None
+        except RecursionError:
+            raise SpecError("spec", "JSON nested too deeply", "send a flat spec object") from None
     if not isinstance(raw, dict):
         raise SpecError("spec", f"expected an object, got {type(raw).__name__}",
                         'pass a dict such as {"capture": [...], "steer": [...]}')
@@ -152,3 +211,5 @@ def parse_spec(raw: Any) -> HookSpec:
         return HookSpec.model_validate(raw)
     except ValidationError as err:
         raise _first_error(err) from None
+    except RecursionError:
+        raise SpecError("spec", "nested too deeply", "send a flat spec object") from None

@@ -25,7 +25,7 @@ def decode_vector(value: Any, where: str) -> np.ndarray | str:
         value = value.detach().float().cpu().numpy()
     try:
         arr = np.asarray(value, dtype=np.float32)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         raise SpecError(where, f"cannot read a vector from {type(value).__name__}",
                         "pass a list of floats, a numpy array, a torch tensor, "
                         '{"b64": ..., "dtype": "float32"} or a registered name') from None

@@ -25,6 +25,7 @@ from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, St
 from .attention_jobs import AttnJob, scores_for_step
 from .repeat import StepRepeat
 from .tables import DeviceTables, TableFull
+from .wire import check_wire
 
 log = logging.getLogger("vllm_hook")
 
@@ -128,37 +129,55 @@ class HookRuntime:
         t0 = time.perf_counter()
         self.repeat.forget()
         self.collector.close_run()
-        try:
-            for rid in ev.finished:
-                self._finish(rid)
-            for nr in ev.new:
-                if nr.req_id in self.requests:
-                    self._reactivate(nr.req_id)
-                elif nr.wire is not None:
-                    self._admit(nr.req_id, nr.wire)
-            for rid in ev.resumed:
-                if rid in self.requests:
-                    self._reactivate(rid)
-            for rid, (groups, replace) in ev.blocks.items():
-                req = self.requests.get(rid)
-                if req is not None and req.attn_jobs:
-                    for g, ids in enumerate(groups):
-                        if replace or g not in req.blocks:
-                            req.blocks[g] = list(ids)
-                        else:
-                            req.blocks[g].extend(ids)
-            self._expire()
-        except Exception as e:  # never take the engine down
-            log.exception("vllm_hook: request bookkeeping failed")
-            for r in self.active.values():
-                _note(r.errors, f"internal error in vllm_hook bookkeeping: {e!r}")
+        # Each request's bookkeeping is guarded on its own: a failure costs only that request.
+        for rid in ev.finished:
+            self._guarded(rid, self._finish, rid)
+        for nr in ev.new:
+            if nr.req_id in self.requests:
+                self._guarded(nr.req_id, self._reactivate, nr.req_id)
+            elif nr.wire is not None:
+                self._guarded(nr.req_id, self._admit, nr.req_id, nr.wire)
+        for rid in ev.resumed:
+            if rid in self.requests:
+                self._guarded(rid, self._reactivate, rid)
+        for rid, (groups, replace) in ev.blocks.items():
+            req = self.requests.get(rid)
+            if req is not None and req.attn_jobs:
+                self._guarded(rid, self._track_blocks, req, groups, replace)
+        self._guarded(None, self._expire)
         self.timing["events_s"] += time.perf_counter() - t0
+
+    def _guarded(self, req_id: str | None, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # never take the engine down, nor another request
+            log.exception("vllm_hook: bookkeeping of request %s failed", req_id)
+            self._fail(req_id, f"internal error in vllm_hook bookkeeping: {e!r}")
+
+    def _fail(self, req_id: str | None, msg: str) -> None:
+        """Record `msg` on the request and stop routing it (its rows run unhooked)."""
+        req = self.requests.get(req_id) if req_id is not None else None
+        if req is None:
+            return
+        _note(req.errors, msg)
+        self.active.pop(req_id, None)
+        self._release_tables(req)
+        req.routes = RequestRoutes(req.prompt_len)
+
+    @staticmethod
+    def _track_blocks(req: HookRequest, groups, replace: bool) -> None:
+        for g, ids in enumerate(groups):
+            if replace or g not in req.blocks:
+                req.blocks[g] = list(ids)
+            else:
+                req.blocks[g].extend(ids)
 
     def _admit(self, req_id: str, wire: dict) -> None:
         P = int(wire["P"])
-        req = HookRequest(req_id=req_id, key=wire["key"], prompt_len=P,
+        req = HookRequest(req_id=req_id, key=str(wire["key"]), prompt_len=P,
                           routes=RequestRoutes(P), horizon=-1)
         self.requests[req_id] = req
+        check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points)
         try:
             steer = self._admit_steering(req, wire.get("steer", ()))
         except (TableFull, KeyError) as e:
@@ -310,7 +329,15 @@ class HookRuntime:
         if has_cap:
             cap_h[:T_pad] = self._trash[:T_pad, None]
         # Without steering (capture) routes, route_step writes nothing into op_h (cap_h).
-        routing = route_step(entries, op_h[:T_pad], cap_points(cap_h[:T_pad]), self.bufs.shape.pool_rows)
+        try:
+            routing = route_step(entries, op_h[:T_pad], cap_points(cap_h[:T_pad]), self.bufs.shape.pool_rows)
+        except Exception:
+            entries = self._without_culprits(entries, op_h, cap_h, T_pad)
+            if op_n:
+                op_h[:op_n] = 0
+            if has_cap:
+                cap_h[:T_pad] = self._trash[:T_pad, None]
+            routing = route_step(entries, op_h[:T_pad], cap_points(cap_h[:T_pad]), self.bufs.shape.pool_rows)
         self.staging.commit(op_n, T_pad if routing.segments else 0)
         self._steer_dirty = routing.steered_upto
         for req in routing.overflow:
@@ -323,6 +350,19 @@ class HookRuntime:
         self.repeat.remember(view, routing, entries, routes_changed=bool(finished_routing))
         self._step = routing
         self.steps_routed += 1
+
+    def _without_culprits(self, entries, op_h, cap_h, T_pad: int):
+        """The entries that route on their own (into scratch arrays); the others fail."""
+        keep = []
+        for e in entries:
+            try:
+                route_step([e], np.zeros_like(op_h[:T_pad]), cap_points(np.empty_like(cap_h[:T_pad])),
+                           self.bufs.shape.pool_rows)
+                keep.append(e)
+            except Exception as err:
+                log.exception("vllm_hook: routing request %s failed; it runs unhooked", e[0].req_id)
+                self._fail(e[0].req_id, f"internal error in vllm_hook routing: {err!r}")
+        return keep
 
     def _reset_steering(self, T_pad: int) -> None:
         n = max(T_pad, self._steer_dirty)
