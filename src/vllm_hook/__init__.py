@@ -2,14 +2,20 @@
 
 __version__ = "0.1.0"
 
-from .api import delete_vectors, register_vectors, stats  # noqa: E402
+from .api import (  # noqa: E402
+    clear_hook_results, clear_hooks, collect_hook_results, delete_vectors, prefetch_params,
+    register_hooks, register_vectors, stats,
+)
 from .client import AsyncClient, Client  # noqa: E402
 from .config import HookConfig  # noqa: E402
+from .hooks import BatchHookContext, Hook, HookContext, operator_hook  # noqa: E402
 from .results import Results, results  # noqa: E402
 from .spec import HookRuntimeError, HookSpec, SpecError, UnknownVectorError, encode_vector  # noqa: E402
 
 __all__ = [
-    "AsyncClient", "Client",
-    "HookConfig", "HookRuntimeError", "HookSpec", "Results", "SpecError", "UnknownVectorError",
-    "delete_vectors", "encode_vector", "register_vectors", "results", "stats", "__version__",
+    "AsyncClient", "BatchHookContext", "Client", "Hook", "HookConfig", "HookContext",
+    "HookRuntimeError", "HookSpec", "Results", "SpecError", "UnknownVectorError",
+    "clear_hook_results", "clear_hooks", "collect_hook_results", "delete_vectors", "encode_vector",
+    "operator_hook", "prefetch_params", "register_hooks", "register_vectors", "results", "stats",
+    "__version__",
 ]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from .frontend import hooks as _hooks
 from .frontend import vectors as _vectors
 from .frontend.delivery import RPC, checked
 from .frontend.state import state_of
@@ -31,4 +32,35 @@ def stats(llm: Any) -> dict:
     return out
 
 
-__all__ = ["register_vectors", "delete_vectors", "stats"]
+def register_hooks(llm: Any, hooks: Sequence[Any]) -> int:
+    """Run `hooks` (vllm_hook.Hook, or {"name", "args"} operator hooks) for every request
+    from now on, until `clear_hooks`. Returns how many persistent hooks are registered."""
+    st = _state(llm)
+    return _hooks.registered(st, llm.collective_rpc(RPC, args=_hooks.register_args(st, hooks)))
+
+
+def collect_hook_results(llm: Any) -> dict[str, list[dict]]:
+    """{request id: [ctx.saved of each persistent hook]} of the finished requests since the
+    last `clear_hook_results` (non-destructive)."""
+    return _hooks.collected(llm.collective_rpc(RPC, args=_hooks.collect_args(_state(llm))))
+
+
+def clear_hook_results(llm: Any) -> int:
+    """Drop the collected persistent-hook results; returns how many requests had some."""
+    return int(checked(llm.collective_rpc(RPC, args=("clear_hook_results",)))[0])
+
+
+def clear_hooks(llm: Any) -> None:
+    """Stop running the persistent hooks (for requests admitted from now on)."""
+    checked(llm.collective_rpc(RPC, args=("clear_hooks",)))
+    _hooks.cleared(_state(llm))
+
+
+def prefetch_params(llm: Any, names: Sequence[str]) -> list[str]:
+    """Gather model parameters for `ctx.get_parameter` ahead of time on every worker (over
+    tensor-parallel ranks; needed before hooks run when parameters live on other stages)."""
+    return list(checked(llm.collective_rpc(RPC, args=("prefetch_params", list(names))))[0])
+
+
+__all__ = ["register_vectors", "delete_vectors", "stats", "register_hooks", "collect_hook_results",
+           "clear_hook_results", "clear_hooks", "prefetch_params"]

@@ -20,6 +20,8 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
+from .hooks.hook import Hook
+from .hooks.state import decode_collected
 from .results import Results
 from .spec.errors import SpecError, UnknownVectorError
 from .spec.schema import SPEC_KEY, HookSpec
@@ -96,7 +98,19 @@ def spec_json(spec: Any) -> str:
     spec = dict(spec)
     if spec.get("steer"):
         spec["steer"] = [{**op, "vector": _wire_vector(op.get("vector"))} for op in spec["steer"]]
+    if spec.get("hooks"):
+        spec["hooks"] = [wire_hook(h) for h in spec["hooks"]]
     return json.dumps(spec)
+
+
+def wire_hook(h: Any) -> Any:
+    """A hook as JSON: operator hooks as they are; a Python `Hook` pickled (a server runs it
+    only with allow_client_code)."""
+    if isinstance(h, Hook):
+        if h.name:
+            return {"name": h.name, "args": h.args}
+        return {"pickle": base64.b64encode(h.pickled()).decode("ascii")}
+    return h
 
 
 def _wire_vector(v: Any) -> Any:
@@ -165,6 +179,15 @@ def _generation(body: dict, pairs: list[tuple[int, Results]], chat: bool) -> Gen
                               prompt_token_ids=c.get("prompt_token_ids", body.get("prompt_token_ids")),
                               finish_reason=c.get("finish_reason"), results=by_index.get(c["index"])))
     return Generation(id=body.get("id", ""), choices=choices, usage=body.get("usage") or {}, raw=body)
+
+
+def _hooks_body(hooks: Sequence[Any]) -> dict:
+    return {"hooks": [wire_hook(h) for h in hooks]}
+
+
+def _collected(body: dict) -> dict[str, list[dict]]:
+    data = body.get("data")
+    return decode_collected(base64.b64decode(data)) if data else {}
 
 
 def _base_url(url: str) -> str:
@@ -253,6 +276,23 @@ class Client:
     def health(self) -> dict:
         return self._call("GET", "/v1/hook/health").json()
 
+    def register_hooks(self, hooks: Sequence[Any]) -> int:
+        """Persistent hooks for every request (operator hooks by name; Python `Hook`s only
+        where the server allows client code). Returns how many are registered."""
+        return self._call("POST", "/v1/hook/hooks/register", json=_hooks_body(hooks)).json()["registered"]
+
+    def collect_hook_results(self) -> dict[str, list[dict]]:
+        return _collected(self._call("GET", "/v1/hook/hooks/collect").json())
+
+    def clear_hook_results(self) -> int:
+        return self._call("POST", "/v1/hook/hooks/clear_results").json()["cleared"]
+
+    def clear_hooks(self) -> None:
+        self._call("POST", "/v1/hook/hooks/clear")
+
+    def prefetch_params(self, names: Sequence[str]) -> list[str]:
+        return self._call("POST", "/v1/hook/hooks/prefetch", json={"names": list(names)}).json()["cached"]
+
 
 class AsyncClient:
     """The same API as `Client`, as coroutines (httpx.AsyncClient)."""
@@ -321,3 +361,18 @@ class AsyncClient:
 
     async def health(self) -> dict:
         return (await self._call("GET", "/v1/hook/health")).json()
+
+    async def register_hooks(self, hooks: Sequence[Any]) -> int:
+        return (await self._call("POST", "/v1/hook/hooks/register", json=_hooks_body(hooks))).json()["registered"]
+
+    async def collect_hook_results(self) -> dict[str, list[dict]]:
+        return _collected((await self._call("GET", "/v1/hook/hooks/collect")).json())
+
+    async def clear_hook_results(self) -> int:
+        return (await self._call("POST", "/v1/hook/hooks/clear_results")).json()["cleared"]
+
+    async def clear_hooks(self) -> None:
+        await self._call("POST", "/v1/hook/hooks/clear")
+
+    async def prefetch_params(self, names: Sequence[str]) -> list[str]:
+        return (await self._call("POST", "/v1/hook/hooks/prefetch", json={"names": list(names)})).json()["cached"]

@@ -102,9 +102,33 @@ class HookConfig(BaseModel):
         default=64 << 20, ge=1024,
         description="Served mode: larger request bodies on plugin routes are refused (HTTP 413).",
     )
+    hook_layers: list[int] | Literal["all"] | None = Field(
+        default=None,
+        description="Layers where Python hooks may run (pre and post): each such layer gets a "
+        "hook point, a splitting op of vLLM's piecewise CUDA graphs (docs/hooks.md). An engine "
+        "without hook layers runs no hook code at all; a request hooking another layer is "
+        "refused with an error naming this key.",
+    )
+    hook_modules: list[str] = Field(
+        default_factory=list,
+        description="Importable modules that register operator hooks (@vllm_hook.operator_hook), "
+        "which clients call by name with JSON arguments. Entry points of the group "
+        "vllm_hook.hooks are loaded too.",
+    )
+    max_hook_state_bytes: int = Field(
+        default=1 << 30, ge=0,
+        description="Tensor bytes one request's hook (its ctx.saved) may hold; beyond it the "
+        "hook fails for that request with an error.",
+    )
+    max_persistent_hook_results: int = Field(
+        default=10000, ge=1,
+        description="Requests whose persistent-hook results a worker keeps until collected "
+        "or cleared; the oldest are dropped beyond it (counted in stats).",
+    )
     allow_client_code: bool = Field(
         default=False,
-        description="Served mode: allow client-supplied Python hooks. Off: never executed.",
+        description="Served mode: accept client-supplied Python hooks (cloudpickle): remote "
+        "code execution on the server. Off: clients may only call operator hooks by name.",
     )
     version: str = __version__
 
@@ -114,6 +138,12 @@ class HookConfig(BaseModel):
         if value == "all":
             return set(range(num_layers))
         return {v % num_layers for v in value if -num_layers <= v < num_layers}
+
+    def hook_boundaries(self, num_layers: int) -> set[int]:
+        """Hook points: boundary b is the stream entering layer b (pre hooks of b, post
+        hooks of b - 1); b = num_layers is after the last layer."""
+        layers = self.layers_of(self.hook_layers, num_layers)
+        return layers | {L + 1 for L in layers}
 
     def steering_layers(self, num_layers: int) -> set[int]:
         """Layers whose instrumented graph contains the steering math."""

@@ -27,6 +27,7 @@ from .delivery.hostmem import copy_many, host_empty
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
 from .spec.errors import HookRuntimeError
+from .hooks import state
 from .spec.resolve import selected_mask
 
 ATTR = "vllm_hook"
@@ -45,6 +46,8 @@ class Results:
     path: str | None = None
     # For q, k and attn_scores: the global head index of each entry along axis 1.
     heads: dict[str, dict[int, list[int]]] = field(default_factory=dict)
+    # hook_results[i]: the ctx.saved of the spec's hook i (CPU tensors, lists, dicts, numbers).
+    hook_results: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -71,6 +74,10 @@ class Results:
             "errors": json.dumps(self.errors),
             "heads": json.dumps(self.heads),
         }
+        if self.hook_results:
+            hook_tensors, structure = state.encode(self.hook_results, "hook")
+            tensors.update(hook_tensors)
+            meta["hook_results"] = json.dumps(structure)
         return tensors, meta
 
     def save(self, path: str | os.PathLike) -> str:
@@ -107,8 +114,10 @@ class Results:
                   path=path)
         out.heads = {s: {int(k): v for k, v in d.items()}
                      for s, d in json.loads(meta.get("heads", "{}")).items()}
+        if meta.get("hook_results"):
+            out.hook_results = state.decode(json.loads(meta["hook_results"]), tensors)
         for name, t in tensors.items():
-            if name.endswith(".positions"):
+            if name.endswith(".positions") or name.startswith("hook."):
                 continue
             site, layer = name.rsplit(".", 1)
             out.activations.setdefault(site, {})[int(layer)] = t
@@ -120,7 +129,8 @@ def _merge(blobs: list[bytes]) -> tuple[dict, dict, list[str]]:
     """Per-rank worker blobs -> {point: (positions, rows)} for rank 0's residual points, the
     raw per-rank pieces of the head-sharded points, and the errors of all ranks."""
     ranks = sorted((points_from_bytes(b) for b in blobs), key=lambda x: x[1].get("rank", 0))
-    errors = [e for _, m in ranks for e in m.get("errors", [])]
+    # Every rank runs the same hooks and steering: the same failure is reported once.
+    errors = list(dict.fromkeys(e for _, m in ranks for e in m.get("errors", [])))
     return ranks[0][0] if ranks else {}, ranks, errors
 
 
@@ -150,10 +160,21 @@ def _sharded(ranks, point: int, site: str, layer: int, head_size: int):
     return pos, t[:, order], [heads[i] for i in order]
 
 
+def _hook_results(ranks, n: int, errors: list[str]) -> list[dict]:
+    """The saved dicts of the request's n hooks, from rank 0 (every rank runs the hooks)."""
+    meta = ranks[0][1] if ranks else {}
+    if "hooks" not in meta:
+        if not errors:
+            errors.append("no hook results arrived from the workers for this request")
+        return [{} for _ in range(n)]
+    got = state.decode(meta["hooks"], meta.get("tensors", {}))
+    return [dict(g) if isinstance(g, dict) else {} for g in got] + [{}] * (n - len(got))
+
+
 def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: PointTable, *,
           request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], index: int = 0,
           model: str = "", extra_errors: list[str] | None = None, head_size: int = 0,
-          dtype: str = "float32") -> Results:
+          dtype: str = "float32", hooks: int = 0) -> Results:
     """Assemble a request's results from the workers' per-point rows (one blob per TP rank
     that captured anything) and the spec's items, in `dtype` ("float32", or "model": the
     captured dtype). In the model dtype, rows of a blob the frontend owns (a uint8 tensor a
@@ -166,6 +187,8 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
     res = Results(request_id=request_id, prompt_len=P, index=index, model=model,
                   token_ids=list(prompt_token_ids) + list(output_token_ids),
                   errors=errors + list(extra_errors or []))
+    if hooks:
+        res.hook_results = _hook_results(ranks, hooks, res.errors)
     groups: dict[tuple[str, int], list[tuple[str, list[int]]]] = {}
     copies: list[tuple[str, int, torch.Tensor]] = []
     owned, used = bool(blobs) and all(isinstance(b, torch.Tensor) for b in blobs), set()

@@ -155,3 +155,58 @@ def attention(model, ids: list[int]):
         model.set_attn_implementation(prev)
     q, k = dict(_QK["q"]), dict(_QK["k"])
     return q, k, {i: a[0] for i, a in enumerate(out.attentions)}
+
+
+@contextmanager
+def python_hooks(model, hooks: list, prompt_len: int):
+    """The same Python hooks on HF: fn(ctx, h) on the [T, H] rows of a layer's output (or,
+    pre, input), the returned tensor replacing them; ctx is a real HookContext."""
+    from vllm_hook.hooks.context import HookContext
+
+    n = len(layers(model))
+    handles, ctxs = [], []
+    for hook in hooks:
+        ctx = HookContext("hf", prompt_len, None)
+        ctxs.append(ctx)
+        for L in hook.layer_indices:
+            L %= n
+
+            def post(mod, args, out, hook=hook, ctx=ctx, L=L):
+                hs = out[0] if isinstance(out, tuple) else out
+                new = hook.fn(ctx._at(L, False, 0, hs.shape[1]), hs[0].clone())
+                if new is None:
+                    return None
+                new = new[None].to(hs.dtype)
+                return (new, *out[1:]) if isinstance(out, tuple) else new
+
+            def pre(mod, args, kwargs, hook=hook, ctx=ctx, L=L):
+                hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                new = hook.fn(ctx._at(L, True, 0, hs.shape[1]), hs[0].clone())
+                if new is None:
+                    return None
+                new = new[None].to(hs.dtype)
+                if "hidden_states" in kwargs:
+                    return args, {**kwargs, "hidden_states": new}
+                return (new, *args[1:]), kwargs
+
+            if hook.pre:
+                handles.append(layers(model)[L].register_forward_pre_hook(pre, with_kwargs=True))
+            else:
+                handles.append(layers(model)[L].register_forward_hook(post))
+    try:
+        yield ctxs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def hooked_greedy(model, prompt: list[int], steps: int, hooks: list):
+    """Greedy tokens under `hooks` (whole sequence recomputed each step); last logits."""
+    ids = list(prompt)
+    logits = None
+    with python_hooks(model, hooks, len(prompt)):
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], logits

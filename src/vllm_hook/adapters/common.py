@@ -7,8 +7,9 @@ from typing import Any
 
 from ..config import HookConfig
 from ..model.instrument import instrument
-from ..spec.resolve import ModelInfo
+from ..spec.resolve import ModelInfo, steer_bound
 from ..spec.schema import SPEC_KEY
+from ..worker.hooks import WorkerHooks
 from ..worker.runtime import HookRuntime
 from .base import NewRequest, SchedulerEvents, wire_of
 
@@ -58,14 +59,22 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
     cfg = HookConfig.from_vllm_config(vllm_config)
     info = ModelInfo.from_model_config(vllm_config.model_config)
     sc = vllm_config.scheduler_config
-    bufs, points, attns = instrument(model, info, cfg, max_num_batched_tokens=sc.max_num_batched_tokens,
-                                     max_num_seqs=sc.max_num_seqs, dtype=vllm_config.model_config.dtype)
     from vllm.distributed import get_tensor_model_parallel_rank
 
     from .attention import layer_infos
+    from .params import ModelAccess
 
     rank = get_tensor_model_parallel_rank()
-    rt = HookRuntime(bufs, points, cfg, rank=rank, attn_layers=layer_infos(attns, runner, rank, info))
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    hooks = None
+    if cfg.hook_layers:
+        hooks = WorkerHooks(ModelAccess(model, rank, tp), info.num_layers, cfg.hook_boundaries(info.num_layers),
+                            cfg, steer_bound(info, cfg.max_ops_per_layer), rank, tp)
+    bufs, points, attns = instrument(model, info, cfg, max_num_batched_tokens=sc.max_num_batched_tokens,
+                                     max_num_seqs=sc.max_num_seqs, dtype=vllm_config.model_config.dtype,
+                                     hook_owner=hooks.owner if hooks else 0)
+    rt = HookRuntime(bufs, points, cfg, rank=rank, attn_layers=layer_infos(attns, runner, rank, info),
+                     hooks=hooks)
     runner.__dict__[RT_ATTR] = rt
     log.info("vllm_hook: instrumented %d layers (sites %s) for vLLM %s, %s runner; device buffers "
              "%.1f MiB", info.num_layers, ",".join(cfg.sites), version, type(runner).__module__,
@@ -83,6 +92,19 @@ def load_model_wrapper(orig):
 
 
 NO_EVENTS = SchedulerEvents()
+# Set while the runner prepares a step in which Python hooks run: the CUDA-graph dispatch
+# must then pick piecewise graphs (or eager), never a FULL replay, which runs no Python.
+HOOK_STEP = {"on": False}
+
+
+def run_step(rt: HookRuntime, scheduler_output: Any, orig, *args, **kwargs):
+    """The runner's execute_model, with the step's hook flag set while it dispatches."""
+    on = rt.hooks_in(scheduler_output.num_scheduled_tokens)
+    HOOK_STEP["on"] = on
+    try:
+        return orig(*args, **kwargs)
+    finally:
+        HOOK_STEP["on"] = False
 
 
 def events(scheduler_output: Any, track_blocks: bool = False) -> SchedulerEvents:
@@ -121,4 +143,8 @@ def worker_rpc(worker: Any, op: str, *args: Any) -> Any:
         return rt.delete_vectors(*args)
     if op == "stats":
         return rt.stats()
+    if op in ("register_hooks", "collect_hooks", "clear_hook_results", "clear_hooks", "prefetch_params"):
+        from .frontend import external_id
+
+        return rt.persistent_hooks(op, *args, ids=external_id)
     raise ValueError(f"unknown vllm_hook rpc {op!r}")

@@ -6,23 +6,56 @@ vLLM internals (EngineArgs, InputProcessor, LLM's engine loop).
 
 from __future__ import annotations
 
+import logging
+
 from ..config import CONFIG_KEY, HookConfig
+from ..model.hook_point import OP_NAME
 from .patching import wrap_method, when_imported
 
 PROMPT_INDEX = "_vllm_hook_prompt_index"
+log = logging.getLogger("vllm_hook")
+
+
+def _compiles_one_graph() -> bool:
+    """vLLM on the CPU compiles the whole model with Inductor, splitting ops or not."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def external_id(req_id: str) -> str:
+    """The id a caller gave a request, from the engine's: vLLM appends "-" and 8 random hex
+    characters (`InputProcessor.assign_request_id`)."""
+    head, _, tail = req_id.rpartition("-")
+    return head if head and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail) else req_id
 
 
 def _stamp_config(orig):
     def create_engine_config(self, *args, **kwargs):
+        from vllm.config import CompilationMode
+
         # Validates the user's settings (a clear ValueError at engine construction) and puts
         # them, with the plugin version, into vLLM's compile-cache key.
         cfg = HookConfig.from_additional_config(self.additional_config)
         self.additional_config = {**(self.additional_config or {}), CONFIG_KEY: cfg.stamp()}
+        if cfg.hook_layers and not self.enforce_eager and _compiles_one_graph():
+            log.warning("vllm_hook: hook_layers is set and this platform compiles the model as "
+                        "one graph, which must not contain hook points: running eagerly")
+            self.enforce_eager = True
         vllm_config = orig(self, *args, **kwargs)
+        cc = vllm_config.compilation_config
         if not cfg.index_asserts:
             # Before the model is built: vLLM copies these options into its compile backend then.
-            vllm_config.compilation_config.inductor_compile_config.setdefault(
-                "assert_indirect_indexing", False)
+            cc.inductor_compile_config.setdefault("assert_indirect_indexing", False)
+        if cfg.hook_layers and cc.mode != CompilationMode.NONE:
+            if cc.mode != CompilationMode.VLLM_COMPILE or not cc.splitting_ops:
+                raise ValueError(
+                    "vllm_hook: hook_layers needs vLLM's piecewise compilation (the default) or "
+                    f"enforce_eager=True; this engine compiles with mode {cc.mode.name} and "
+                    f"splitting_ops {cc.splitting_ops}, one graph that hook points must not be in")
+            if OP_NAME not in cc.splitting_ops:
+                # Hook points split the piecewise graphs: hooks run eagerly between the pieces.
+                cc.splitting_ops.append(OP_NAME)
         return vllm_config
     return create_engine_config
 
@@ -87,6 +120,8 @@ def _run_engine(orig):
     def run_engine(self, *args, **kwargs):
         outputs = orig(self, *args, **kwargs)
         st = maybe_state(self.llm_engine.input_processor)
+        if st is not None and st.persistent_hooks:
+            st.note_finished(str(o.request_id) for o in outputs)
         if st is not None and st.pending:
             attach(st, outputs, self.collective_rpc)
         return outputs

@@ -97,12 +97,26 @@ async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Resu
         return failed(view, f"results could not be fetched from the workers: {e!r}")
 
 
+async def _noting(agen, st: FrontendState, request_id: str):
+    """Passes a request's outputs on; notes its finish for persistent-hook collection."""
+    try:
+        async for out in agen:
+            if out.finished:
+                st.note_finished([request_id])
+            yield out
+    finally:
+        await agen.aclose()
+
+
 async def _delivering(engine, agen, request_id: str, delta: bool, sink, slot):
     tokens = _Tokens(delta)
     try:
         async for out in agen:
             tokens.add(out)
             if out.finished:
+                st = maybe_state(engine.input_processor)
+                if st is not None and st.persistent_hooks:
+                    st.note_finished([request_id])
                 got = await _fetch(engine, request_id, tokens.view(out))
                 if got is not None:
                     setattr(out, ATTR, got)
@@ -126,9 +140,10 @@ def _generate(orig):
         agen = orig(self, *args, **kwargs)
         sp = args[1] if len(args) > 1 else kwargs.get("sampling_params")
         extra = getattr(sp, "extra_args", None)
-        if not extra or SPEC_KEY not in extra:
-            return agen
         request_id = str(args[2] if len(args) > 2 else kwargs.get("request_id"))
+        if not extra or SPEC_KEY not in extra:
+            st = maybe_state(self.input_processor)
+            return _noting(agen, st, request_id) if st is not None and st.persistent_hooks else agen
         delta = getattr(getattr(sp, "output_kind", None), "name", "") == "DELTA"
         sink = encode.current()      # read now: the caller's context, not the consumer's
         slot = sink.reserve() if sink is not None else None

@@ -8,17 +8,30 @@ after the batch was condensed/reordered; dummy and profile runs call the model d
 from __future__ import annotations
 
 from .base import StepView
-from .common import events, load_model_wrapper, require, runtime_of
+from .common import HOOK_STEP, events, load_model_wrapper, require, run_step, runtime_of
 from .patching import wrap_method, when_imported
 
 
 def _execute_model(orig):
     def execute_model(self, scheduler_output, *args, **kwargs):
         rt = runtime_of(self)
-        if rt is not None:
-            rt.on_events(events(scheduler_output, rt.tracks_blocks))
-        return orig(self, scheduler_output, *args, **kwargs)
+        if rt is None:
+            return orig(self, scheduler_output, *args, **kwargs)
+        rt.on_events(events(scheduler_output, rt.tracks_blocks))
+        return run_step(rt, scheduler_output, orig, self, scheduler_output, *args, **kwargs)
     return execute_model
+
+
+def _dispatch(orig):
+    """CudagraphDispatcher.dispatch (V1 on a GPU): FULL graphs run no Python, so a step with
+    Python hooks may not use them."""
+    def dispatch(self, *args, **kwargs):
+        if HOOK_STEP["on"]:
+            from vllm.config import CUDAGraphMode
+
+            kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
+        return orig(self, *args, **kwargs)
+    return dispatch
 
 
 def _model_forward(orig):
@@ -55,3 +68,5 @@ def _patch_cpu_runner(mod) -> None:
 def install() -> None:
     when_imported("vllm.v1.worker.gpu_model_runner", _patch_gpu_runner)
     when_imported("vllm.v1.worker.cpu_model_runner", _patch_cpu_runner)
+    when_imported("vllm.v1.cudagraph_dispatcher",
+                  lambda m: wrap_method(m.CudagraphDispatcher, "dispatch", _dispatch))

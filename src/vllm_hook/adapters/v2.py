@@ -9,7 +9,7 @@ written into persistent buffers here, before the replay.
 from __future__ import annotations
 
 from .base import StepView
-from .common import events, load_model_wrapper, require, runtime_of
+from .common import HOOK_STEP, events, load_model_wrapper, require, run_step, runtime_of
 from .patching import wrap_method, when_imported
 
 
@@ -19,10 +19,20 @@ def _execute_model(orig):
         if rt is None or kwargs.get("dummy_run"):
             return orig(self, scheduler_output, *args, **kwargs)
         rt.on_events(events(scheduler_output, rt.tracks_blocks))
-        out = orig(self, scheduler_output, *args, **kwargs)
+        out = run_step(rt, scheduler_output, orig, self, scheduler_output, *args, **kwargs)
         rt.end_step()
         return out
     return execute_model
+
+
+def _dispatch(orig):
+    """CudaGraphManager.dispatch(num_reqs, num_tokens, uniform_token_count, ...): a step with
+    Python hooks is not uniform decode, so it gets a piecewise graph (eager if none)."""
+    def dispatch(self, num_reqs, num_tokens, uniform_token_count=None, *args, **kwargs):
+        if HOOK_STEP["on"]:
+            uniform_token_count = None
+        return orig(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+    return dispatch
 
 
 def _prepare_inputs(orig):
@@ -47,5 +57,11 @@ def _patch(mod) -> None:
     wrap_method(cls, "prepare_inputs", _prepare_inputs)
 
 
+def _patch_graphs(mod) -> None:
+    require(mod.CudaGraphManager, ("dispatch",), "V2 CudaGraphManager")
+    wrap_method(mod.CudaGraphManager, "dispatch", _dispatch)
+
+
 def install() -> None:
     when_imported("vllm.v1.worker.gpu.model_runner", _patch)
+    when_imported("vllm.v1.worker.gpu.cudagraph_utils", _patch_graphs)

@@ -32,8 +32,9 @@ PREFIX = "vllm_hook-"
 FREE = PREFIX + "free-"
 KEEP_FREE_BYTES = 1 << 30
 PAD = "__pad__"       # covers the unused tail of a reused, larger file: it stays valid safetensors
-ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
-             torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+             torch.uint8: "U8", torch.bool: "BOOL"}
 
 _PROBES: dict[str, str] = {}
 _HANDING_BACK: set[str] = set()

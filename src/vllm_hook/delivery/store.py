@@ -66,28 +66,31 @@ class RequestStore:
                 out[point] = (pos, blocks[g])
         return out
 
-    def _tensors(self) -> dict[str, torch.Tensor]:
+    def _tensors(self, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         # Positions first (int64: aligned from the 8-byte aligned data start), then the rows of
         # every point in point order: back to back in the file, so the frontend converts them
         # in one copy (`hostmem.coalesce`).
         pts = sorted(self.points().items())
         tensors = {f"p{point}.pos": torch.from_numpy(pos.astype(np.int64)) for point, (pos, _) in pts}
         tensors.update({f"p{point}": rows.contiguous() for point, (_, rows) in pts})
+        tensors.update(extra or {})
         return tensors
 
-    def to_bytes(self, meta: dict) -> bytes:
-        return st_save(self._tensors(), metadata={"vllm_hook": json.dumps(meta)})
+    def to_bytes(self, meta: dict, extra: dict[str, torch.Tensor] | None = None) -> bytes:
+        return st_save(self._tensors(extra), metadata={"vllm_hook": json.dumps(meta)})
 
-    def to_wire(self, meta: dict, spill: dict | None) -> dict[str, Any]:
+    def to_wire(self, meta: dict, spill: dict | None, extra: dict[str, torch.Tensor] | None = None
+                ) -> dict[str, Any]:
         """{"path": file} in the frontend's spill directory when this process shares it
-        (`spill.sees`), else {"blob": bytes}."""
+        (`spill.sees`), else {"blob": bytes}. `extra`: more tensors (hook results), whose
+        names do not start with "p"."""
         if spill_mod.sees(spill):
             try:
                 return {"path": spill_mod.write_spilled(
-                    self._tensors(), {"vllm_hook": json.dumps(meta)}, spill["dir"])}
+                    self._tensors(extra), {"vllm_hook": json.dumps(meta)}, spill["dir"])}
             except OSError:     # full (a container's small /dev/shm) or vanished: use the RPC
                 pass
-        return {"blob": self.to_bytes(meta)}
+        return {"blob": self.to_bytes(meta, extra)}
 
 
 def _header(buf: Any) -> tuple[dict, int]:
@@ -104,7 +107,8 @@ def safetensors_metadata(buf: Any) -> dict:
 def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]:
     """Inverse of `RequestStore.to_bytes` (bytes, or a uint8 tensor a spilled file was read
     into): {point: (positions, rows)} and the metadata. Rows are views of `buf`, not copies
-    (read-only for bytes: copy them before writing); positions are copies."""
+    (read-only for bytes: copy them before writing); positions are copies. Other tensors
+    (hook results) are copies, in the metadata under "tensors"."""
     export = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
     header, data = _header(export)
     meta = json.loads((header.pop("__metadata__", None) or {}).get("vllm_hook", "{}"))
@@ -126,8 +130,12 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
                 t = torch.frombuffer(export, dtype=dtype, count=(end - start) // dtype.itemsize,
                                      offset=data + start).view(shape).clone()
             tensors[name] = t.clone() if name.endswith(".pos") else t
-    out = {}
+    out, other = {}, {}
     for name, t in tensors.items():
-        if not name.endswith(".pos"):
+        if name[:1] == "p" and name[1:].isdigit():
             out[int(name[1:])] = (tensors[f"{name}.pos"], t)
+        elif not name.endswith(".pos"):
+            other[name] = t.clone()              # hook results: the user's to keep and change
+    if other:
+        meta["tensors"] = other
     return out, meta

@@ -6,11 +6,23 @@ OpenAI server answers HTTP 400.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from ..spec.resolve import resolve
 from ..spec.schema import SPEC_KEY, parse_spec
-from .state import state_of
+from .state import allow_pickles, maybe_state, state_of
+
+
+def _salt(request: Any, salt: str) -> None:
+    request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt
+
+
+def _hooked(request: Any, sp: Any) -> None:
+    """Python hooks see (and may change) every row: a hooked request reads no cached prefix
+    (its hooks would miss those rows) and leaves no KV anyone else reuses (a unique salt)."""
+    _salt(request, f"vllm_hook:hooks:{uuid.uuid4().hex}")
+    sp.skip_reading_prefix_cache = True
 
 
 def admit(input_processor: Any, request_id: str, request: Any) -> None:
@@ -18,23 +30,30 @@ def admit(input_processor: Any, request_id: str, request: Any) -> None:
     sp = getattr(request, "sampling_params", None)
     extra = getattr(sp, "extra_args", None)
     if not extra or SPEC_KEY not in extra:
+        st = maybe_state(input_processor)
+        if st is not None and st.persistent_hooks and sp is not None:
+            _hooked(request, sp)
         return
     spec = parse_spec(extra[SPEC_KEY])
     rest = {k: v for k, v in extra.items() if k != SPEC_KEY}
+    st = state_of(input_processor)
     if spec.is_empty:
         sp.extra_args = rest or None
+        if st.persistent_hooks:
+            _hooked(request, sp)
         return
-    st = state_of(input_processor)
     ids = request.prompt_token_ids
     prompt_len = len(ids) if ids is not None else int(request.prompt_embeds.shape[0])
-    res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len)
+    res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len,
+                  allow_pickles=allow_pickles(st))
     sp.extra_args = {**rest, SPEC_KEY: res.wire}
     if res.steer_digest:
         # A steered request must never reuse KV computed under other steering (or none).
-        salt = f"vllm_hook:{res.steer_digest}"
-        request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt
+        _salt(request, f"vllm_hook:{res.steer_digest}")
     if res.reads_cached_prefix:
         # Cached prefix tokens are not recomputed, so their activations would not exist.
         sp.skip_reading_prefix_cache = True
+    if res.hooks or st.persistent_hooks:
+        _hooked(request, sp)
     st.add_pending(request_id, res)
 

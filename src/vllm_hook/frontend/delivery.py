@@ -63,13 +63,13 @@ def results_for(st: FrontendState, output: Any, entries: list[dict], res) -> Res
     for i, comp in enumerate(outs or [None]):
         idx = getattr(comp, "index", i) if comp is not None else 0
         blobs = by_index.get(idx)
-        errs = lost.get(idx, []) + ([] if blobs or not res.items else [
-            "no captures arrived from the workers for this request"])
+        errs = lost.get(idx, []) + ([] if blobs or not res.fetches else [
+            "no results arrived from the workers for this request"])
         r = build(blobs, res.items, st.points, request_id=str(output.request_id),
                   prompt_token_ids=list(output.prompt_token_ids or []),
                   output_token_ids=list(comp.token_ids) if comp is not None else [],
                   index=idx, model=st.info.name, extra_errors=errs, head_size=st.info.head_dim,
-                  dtype=res.dtype)
+                  dtype=res.dtype, hooks=res.hooks)
         if res.save_dir:
             suffix = f"_{idx}" if n > 1 else ""
             r.save(Path(res.save_dir) / f"{output.request_id}{suffix}.safetensors")

@@ -7,6 +7,7 @@ frontend (offline `LLM` and the API server alike), so two engines in one process
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,9 @@ from ..spec.resolve import ModelInfo, Resolved
 
 STATE_ATTR = "_vllm_hook_state"
 PENDING_TTL_S = 24 * 3600.0
+# Set in a process that serves vLLM's HTTP app: its requests come from clients, whose Python
+# hooks run only with allow_client_code.
+SERVED = {"on": False}
 
 
 @dataclass
@@ -26,6 +30,10 @@ class FrontendState:
     max_model_len: int
     names: dict[str, tuple[str, float]] = field(default_factory=dict)   # name -> (digest, norm)
     pending: dict[str, tuple[float, Resolved]] = field(default_factory=dict)
+    persistent_hooks: int = 0      # registered on the workers: every request is hooked
+    # Requests finished here since the last collect: their persistent-hook results must be
+    # final on the workers, which learn of a finish only at their next step.
+    finished: deque = field(default_factory=lambda: deque(maxlen=100_000))
     # Seconds spent delivering results, summed: where a large capture's time goes.
     timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("fetches", "fetch_rpc_s", "read_s", "build_s"), 0.0))
@@ -36,6 +44,14 @@ class FrontendState:
             for rid in [r for r, (t, _) in self.pending.items() if now - t > PENDING_TTL_S]:
                 del self.pending[rid]
         self.pending[request_id] = (now, res)
+
+    def note_finished(self, request_ids) -> None:
+        self.finished.extend(request_ids)
+
+    def take_finished(self) -> list[str]:
+        out = list(self.finished)
+        self.finished.clear()
+        return out
 
     def pop_pending(self, request_id: str) -> Resolved | None:
         item = self.pending.pop(request_id, None)
@@ -52,6 +68,10 @@ def state_of(input_processor: Any) -> FrontendState:
                            max_model_len=int(input_processor.model_config.max_model_len))
         input_processor.__dict__[STATE_ATTR] = st
     return st
+
+
+def allow_pickles(st: FrontendState) -> bool:
+    return st.cfg.allow_client_code or not SERVED["on"]
 
 
 def maybe_state(input_processor: Any) -> FrontendState | None:

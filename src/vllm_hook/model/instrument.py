@@ -17,6 +17,7 @@ from torch import nn
 from ..config import HookConfig
 from ..spec.resolve import ModelInfo, steer_bound
 from .buffers import BufferShape, HookBuffers
+from .hook_point import hook_point
 from .layout import POOL_K, POOL_Q, PointTable
 from .steering import capture_rows, steer_delta
 
@@ -41,16 +42,27 @@ class _LayerHook:
     _vh_projections: bool = False
     _vh_steer: bool = True
     _vh_bound: float = float("inf")
+    _vh_hook_in: int = -1            # hook point before this layer (layer 0: the embeddings)
+    _vh_hook_out: int = -1           # hook point after it
+    _vh_owner: int = 0
 
     def forward(self, *args: Any, **kwargs: Any):
-        if self._vh_embed:
+        if self._vh_embed or self._vh_hook_in >= 0:
             hs = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
             res = kwargs["residual"] if "residual" in kwargs else (args[2] if len(args) > 2 else None)
-            x = hs if res is None else hs.float() + res.float()
-            capture_rows(x, self._vh_embed_idx, self._vh_pool)
+            if self._vh_hook_in >= 0:
+                hook_point(hs, res, self._vh_hook_in, self._vh_owner)     # in place
+            if self._vh_embed:
+                x = hs if res is None else hs.float() + res.float()
+                capture_rows(x, self._vh_embed_idx, self._vh_pool)
         out = super().forward(*args, **kwargs)
+        # Order at a layer's output: Python hooks, the spec's steering ops, then captures.
+        # Hooks come first so that an unused hook point adds no kernel: the steering and
+        # capture math still fuses into the next layer's add+RMSNorm, past the graph split.
         if isinstance(out, tuple) and len(out) == 2 and out[1] is not None:
             hs, res = out
+            if self._vh_hook_out >= 0:
+                hook_point(hs, res, self._vh_hook_out, self._vh_owner)
             if self._vh_steer:
                 stream = hs.float() + res.float()
                 delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
@@ -60,6 +72,8 @@ class _LayerHook:
             capture_rows(hs.float() + res.float(), self._vh_cap_idx, self._vh_pool)
             return hs, res
         hs = out[0] if isinstance(out, tuple) else out
+        if self._vh_hook_out >= 0:
+            hook_point(hs, None, self._vh_hook_out, self._vh_owner)
         if self._vh_steer:
             stream = hs.float()
             delta = steer_delta(stream, self._vh_op_idx, self._vh_op_prm, self._vh_unit,
@@ -137,7 +151,8 @@ def find_attention(layer: nn.Module) -> nn.Module:
 
 
 def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_batched_tokens: int,
-               max_num_seqs: int, dtype: torch.dtype) -> tuple[HookBuffers, PointTable, list]:
+               max_num_seqs: int, dtype: torch.dtype, hook_owner: int = 0
+               ) -> tuple[HookBuffers, PointTable, list]:
     layers = find_layers(model)
     for layer in layers:
         if type(layer).__name__ == "PPMissingLayer":
@@ -158,12 +173,17 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
                                    max_num_seqs=max_num_seqs, cfg=cfg, points=points,
                                    q_width=q_width, k_width=k_width)
     bufs = HookBuffers(shape, dtype=dtype, device=device)
+    boundaries = cfg.hook_boundaries(info.num_layers)
     for i, layer in enumerate(layers):
         _swap_class(layer, _LayerHook)
         layer._vh_num_ops = shape.ops_per_layer
         layer._vh_projections = i in proj
         layer._vh_steer = i in steer
         layer._vh_bound = steer_bound(info, shape.ops_per_layer)
+        if hook_owner:
+            layer._vh_owner = hook_owner
+            layer._vh_hook_in = 0 if i == 0 and 0 in boundaries else -1
+            layer._vh_hook_out = i + 1 if i + 1 in boundaries else -1
         for name in _SHARED:
             _buf(layer, name, getattr(bufs, name))
         _buf(layer, "op_idx", bufs.op_cols(i))

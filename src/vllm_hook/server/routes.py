@@ -7,10 +7,16 @@ guards every `/v1` path).
     DELETE /v1/hook/vectors/{name}
     GET    /v1/hook/results/{handle}   safetensors bytes of a result too large to inline
     DELETE /v1/hook/results/{handle}
+    POST   /v1/hook/hooks/register     {"hooks": [{"name": ..., "args": {...}} | {"pickle": ...}]}
+    GET    /v1/hook/hooks/collect      persistent-hook results, base64 safetensors
+    POST   /v1/hook/hooks/clear_results
+    POST   /v1/hook/hooks/clear
+    POST   /v1/hook/hooks/prefetch     {"names": ["lm_head.weight", ...]}
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -19,7 +25,9 @@ from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
 from ..config import HookConfig
+from ..frontend import hooks as _hooks
 from ..frontend.delivery import RPC
+from ..frontend.state import SERVED
 from ..frontend.vectors import prepare
 from ..spec.errors import SpecError
 from .errors import error_body, status_of
@@ -73,10 +81,21 @@ async def health(request: Request):
                              "ttl_s": st.ttl_s, "dropped": st.dropped},
         "pending_requests": len(sv.frontend.pending),
         "vectors": sorted(sv.frontend.names),
+        "hooks": {"layers": sorted(cfg.layers_of(cfg.hook_layers, sv.frontend.info.num_layers)),
+                  "operator_hooks": _operator_hooks(cfg),
+                  "allow_client_code": cfg.allow_client_code,
+                  "persistent": sv.frontend.persistent_hooks},
         "limits": {"max_inline_result_bytes": cfg.max_inline_result_bytes,
                    "max_request_bytes": cfg.max_request_bytes},
         "workers": workers,
     }
+
+
+def _operator_hooks(cfg: HookConfig) -> dict[str, str]:
+    from ..hooks import registry
+
+    registry.load(tuple(cfg.hook_modules))
+    return registry.available()
 
 
 @router.get("/vectors")
@@ -146,6 +165,102 @@ async def delete_result(handle: str, request: Request):
     return {"deleted": handle}
 
 
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body() or b"{}")
+    except (ValueError, RecursionError) as e:
+        raise SpecError("body", f"not valid JSON ({type(e).__name__})", "send a JSON object") from None
+
+
+def _spec_failure(e: SpecError) -> JSONResponse:
+    status, err_type = status_of(e)
+    return _fail(str(e), status, err_type)
+
+
+async def _worker_call(engine: Any, *args: Any) -> Any:
+    """The first worker's reply of a persistent-hook RPC (503 body when hooks are off)."""
+    replies = await _rpc(engine, *args)
+    first = replies[0] if replies else None
+    if isinstance(first, dict) and "error" in first and len(first) == 1:
+        raise SpecError("hooks", first["error"], "restart the engine with hook layers")
+    return replies
+
+
+@router.post("/hooks/register")
+async def register_hooks(request: Request):
+    engine, sv = _served(request)
+    if engine is None:
+        return _no_engine()
+    try:
+        body = await _json_body(request)
+        hooks = body.get("hooks") if isinstance(body, dict) else None
+        if not isinstance(hooks, list):
+            raise SpecError("hooks", "expected {\"hooks\": [...]}",
+                            'send {"hooks": [{"name": ..., "args": {...}}]}')
+        args = _hooks.register_args(sv.frontend, hooks)
+        count = _hooks.registered(sv.frontend, await _worker_call(engine, *args))
+    except SpecError as e:
+        return _spec_failure(e)
+    return {"registered": count}
+
+
+@router.get("/hooks/collect")
+async def collect_hooks(request: Request):
+    engine, sv = _served(request)
+    if engine is None:
+        return _no_engine()
+    try:
+        replies = await _worker_call(engine, *_hooks.collect_args(sv.frontend))
+    except SpecError as e:
+        return _spec_failure(e)
+    blob = (replies[0] or {}).get("blob", b"")
+    return {"format": "safetensors", "data": base64.b64encode(blob).decode("ascii") if blob else None}
+
+
+@router.post("/hooks/clear_results")
+async def clear_hook_results(request: Request):
+    engine, sv = _served(request)
+    if engine is None:
+        return _no_engine()
+    try:
+        replies = await _worker_call(engine, "clear_hook_results")
+    except SpecError as e:
+        return _spec_failure(e)
+    return {"cleared": int(replies[0])}
+
+
+@router.post("/hooks/clear")
+async def clear_hooks(request: Request):
+    engine, sv = _served(request)
+    if engine is None:
+        return _no_engine()
+    try:
+        await _worker_call(engine, "clear_hooks")
+    except SpecError as e:
+        return _spec_failure(e)
+    _hooks.cleared(sv.frontend)
+    return {"registered": 0}
+
+
+@router.post("/hooks/prefetch")
+async def prefetch(request: Request):
+    engine, sv = _served(request)
+    if engine is None:
+        return _no_engine()
+    try:
+        body = await _json_body(request)
+        names = body.get("names") if isinstance(body, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise SpecError("names", "expected a list of parameter names",
+                            'send {"names": ["lm_head.weight"]}')
+        replies = await _worker_call(engine, "prefetch_params", names)
+    except SpecError as e:
+        return _spec_failure(e)
+    except KeyError as e:
+        return _fail(str(e.args[0]) if e.args else repr(e), 404, "NotFoundError")
+    return {"cached": replies[0]}
+
+
 def _config(app: FastAPI) -> HookConfig:
     extra = getattr(getattr(app.state, "args", None), "additional_config", None)
     if isinstance(extra, str):
@@ -159,5 +274,6 @@ def attach(app: FastAPI) -> None:
     if getattr(app.state, ATTACHED, False):
         return
     setattr(app.state, ATTACHED, True)
+    SERVED["on"] = True        # this process serves HTTP clients: client code needs allow_client_code
     app.include_router(router)
     app.add_middleware(BodyLimit, max_bytes=_config(app).max_request_bytes)

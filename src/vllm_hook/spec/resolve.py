@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import HookConfig
 from .errors import SpecError, UnknownVectorError
+from .hooks import resolve_hooks
 from .schema import AblateOp, AddOp, CapOp, HookSpec, Selector
 from .vectors import check_vector, decode_vector, vector_digest
 
@@ -80,6 +81,12 @@ class Resolved:
     reads_cached_prefix: bool
     items: list[dict] = field(default_factory=list)
     dtype: str = "float32"
+    hooks: int = 0                 # hooks in the spec: Results.hook_results has one per hook
+
+    @property
+    def fetches(self) -> bool:
+        """Whether its results are more than its tokens (worker errors always are)."""
+        return bool(self.items or self.hooks)
 
 
 def _selector(sel: Selector, prompt_len: int, where: str) -> tuple[str, list[int]]:
@@ -144,6 +151,7 @@ def resolve(
     prompt_len: int,
     known_vectors: Callable[[str], str | None],
     max_model_len: int | None = None,
+    allow_pickles: bool = True,
 ) -> Resolved:
     """Validate `spec` for this model and prompt. `known_vectors(name)` returns (digest, norm)
     of a registered vector, or None."""
@@ -278,11 +286,17 @@ def resolve(
     # vLLM always recomputes the last prompt token, so only earlier positions force a recompute.
     reads_cached_prefix = any(_needs_early_prompt(c, prompt_len) for c in wire_cap)
 
+    wire_hooks = resolve_hooks(spec.hooks, n, config.layers_of(config.hook_layers, n), allow_pickles,
+                               tuple(config.hook_modules)) if spec.hooks else []
+
     key = uuid.uuid4().hex
     wire = {"v": WIRE_VERSION, "key": key, "P": prompt_len, "cap": wire_cap, "steer": wire_steer}
+    if wire_hooks:
+        wire["hooks"] = wire_hooks
     return Resolved(wire=wire, key=key, prompt_len=prompt_len,
                     save_dir=spec.save.dir if spec.save else None, steer_digest=steer_digest,
-                    reads_cached_prefix=reads_cached_prefix, items=items, dtype=spec.dtype)
+                    reads_cached_prefix=reads_cached_prefix, items=items, dtype=spec.dtype,
+                    hooks=len(wire_hooks))
 
 
 def _needs_early_prompt(cap: dict, prompt_len: int) -> bool:

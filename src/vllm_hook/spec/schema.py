@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import SpecSite
+from ..hooks.hook import Hook
 from .errors import SpecError
 
 SPEC_KEY = "vllm_hook"
@@ -19,6 +20,7 @@ SPEC_KEY = "vllm_hook"
 # Bounds on what one spec may hold: resolving it runs in the API server's event loop.
 MAX_CAPTURE_ITEMS = 1024
 MAX_STEER_OPS = 1024
+MAX_HOOKS = 64
 MAX_LIST = 65536          # positions, layers or heads in one list
 MAX_SPEC_CHARS = 32 << 20  # a spec as JSON text (inline vectors included)
 
@@ -98,6 +100,22 @@ class AblateOp(_SteerBase):
 SteerOp = Annotated[Union[AddOp, CapOp, AblateOp], Field(discriminator="op")]
 
 
+class NamedHook(_Model):
+    """An operator hook, by name, with JSON arguments (`hooks/registry.py`)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class PickledHook(_Model):
+    """base64(cloudpickle(vllm_hook.Hook)): a server runs it only with allow_client_code."""
+
+    pickle: Union[str, bytes]
+
+
+HookItem = Union[Hook, NamedHook, PickledHook]
+
+
 class SaveSpec(_Model):
     """Also write the request's results as one safetensors file under `dir`."""
 
@@ -107,6 +125,7 @@ class SaveSpec(_Model):
 class HookSpec(_Model):
     capture: list[CaptureItem] = Field(default_factory=list, max_length=MAX_CAPTURE_ITEMS)
     steer: list[SteerOp] = Field(default_factory=list, max_length=MAX_STEER_OPS)
+    hooks: list[HookItem] = Field(default_factory=list, max_length=MAX_HOOKS)
     save: SaveSpec | None = None
     # The dtype of the delivered tensors: float32, or the dtype the model computes in ("model":
     # no conversion, half the bytes of float32 for a bf16 model).
@@ -114,10 +133,11 @@ class HookSpec(_Model):
 
     @property
     def is_empty(self) -> bool:
-        return not self.capture and not self.steer
+        return not self.capture and not self.steer and not self.hooks
 
 
-_BRANCH_TAGS = {"add", "cap", "ablate", "int", "str", "float", "bool", "dict", "list"}
+_BRANCH_TAGS = {"add", "cap", "ablate", "int", "str", "float", "bool", "dict", "list", "Hook",
+                "NamedHook", "PickledHook", "bytes"}
 
 
 def _loc(loc: tuple) -> str:
@@ -179,6 +199,9 @@ def _first_error(err: ValidationError) -> SpecError:
         fix = 'use a list of integer head indices, "all", or {"<layer>": [heads]}'
     elif "layers" in loc or "layer" in loc:
         fix = 'use an integer layer index (negative counts from the last layer), a list of them, or "all"'
+    elif "hooks" in loc:
+        fix = ('pass vllm_hook.Hook objects (offline), {"name": ..., "args": {...}} for an '
+               'operator hook, or {"pickle": <base64 cloudpickle of a Hook>}')
     elif field in _FIELD_FIX:
         fix = _FIELD_FIX[field]
     else:

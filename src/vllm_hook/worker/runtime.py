@@ -19,15 +19,18 @@ from ..config import HookConfig
 from ..delivery.collector import Collector
 from ..delivery.spill import sweep_spilled
 from ..delivery.store import RequestStore
+from ..hooks.state import StateError, encode, encode_collected
 from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, route_step
 from .attention_jobs import AttnJob, scores_for_step
 from .repeat import StepRepeat
+from .hooks import RequestHooks, WorkerHooks
 from .tables import DeviceTables, TableFull
 from .wire import check_wire
 
 log = logging.getLogger("vllm_hook")
+HOOK_TENSOR_PREFIX = "hk"
 
 
 @dataclass(eq=False)
@@ -46,6 +49,8 @@ class HookRequest:
     attn_jobs: dict[int, list[AttnJob]] = field(default_factory=dict)   # q point -> jobs
     attn_heads: dict[int, list[int]] = field(default_factory=dict)      # out point -> heads
     blocks: dict[int, list[int]] = field(default_factory=dict)          # kv group -> block ids
+    hooks: RequestHooks | None = None
+    hook_results: tuple[list, Any] | None = None                        # (saved trees, event)
 
 
 def _note(errors: list[str], msg: str) -> None:
@@ -92,7 +97,7 @@ class _Staging:
 
 class HookRuntime:
     def __init__(self, bufs: HookBuffers, points: PointTable, cfg: HookConfig, rank: int = 0,
-                 attn_layers: list[AttnLayer] | None = None):
+                 attn_layers: list[AttnLayer] | None = None, hooks: WorkerHooks | None = None):
         self.bufs, self.points, self.cfg = bufs, points, cfg
         # The residual stream is identical on every TP rank: rank 0 captures it. Attention
         # heads are sharded: every rank captures its own.
@@ -105,6 +110,8 @@ class HookRuntime:
         self.active: dict[str, HookRequest] = {}       # may still be routed
         self.done: dict[str, HookRequest] = {}         # finished, results waiting for a fetch
         self.named: dict[str, np.ndarray] = {}
+        self.hooks = hooks                             # Python hooks (None: no hook layers)
+        self.hooked: dict[str, HookRequest] = {}       # admitted requests with hooks
         self._steer_dirty = 0
         self._attn_reqs = 0
         self._step: StepRouting | None = None
@@ -137,6 +144,8 @@ class HookRuntime:
                 self._guarded(nr.req_id, self._reactivate, nr.req_id)
             elif nr.wire is not None:
                 self._guarded(nr.req_id, self._admit, nr.req_id, nr.wire)
+            elif self.hooks is not None and self.hooks.persistent:
+                self._guarded(nr.req_id, self._admit_plain, nr.req_id, nr.prompt_len)
         for rid in ev.resumed:
             if rid in self.requests:
                 self._guarded(rid, self._reactivate, rid)
@@ -163,6 +172,9 @@ class HookRuntime:
         self.active.pop(req_id, None)
         self._release_tables(req)
         req.routes = RequestRoutes(req.prompt_len)
+        if req.hooks is not None:
+            for inst in req.hooks.all:
+                inst.failed = True
 
     @staticmethod
     def _track_blocks(req: HookRequest, groups, replace: bool) -> None:
@@ -207,8 +219,25 @@ class HookRuntime:
         req.routes = RequestRoutes(P, steer, capture)
         self._attn_reqs += bool(req.attn_jobs)
         req.horizon = req.routes.horizon
-        if req.routes.steer or req.routes.capture:
+        if self.hooks is not None and (wire.get("hooks") or self.hooks.persistent):
+            self._add_hooks(req, wire.get("hooks", ()))
+        if req.routes.steer or req.routes.capture or req.hooks:
             self.active[req_id] = req
+
+    def _admit_plain(self, req_id: str, prompt_len: int) -> None:
+        """A request without a spec, while persistent hooks are registered."""
+        req = HookRequest(req_id=req_id, key="", prompt_len=prompt_len,
+                          routes=RequestRoutes(prompt_len), horizon=-1)
+        self.requests[req_id] = req
+        self._add_hooks(req, ())
+        if req.hooks:
+            self.active[req_id] = req
+
+    def _add_hooks(self, req: HookRequest, wire_hooks) -> None:
+        req.hooks = self.hooks.for_request(req.req_id, req.prompt_len, wire_hooks, req.errors)
+        if req.hooks is not None:
+            self.hooked[req.req_id] = req
+            req.horizon = float("inf")          # hooks see every row, to the end
 
     def _admit_steering(self, req: HookRequest, ops) -> tuple[SteerRoute, ...]:
         shape = self.bufs.shape
@@ -248,7 +277,7 @@ class HookRuntime:
 
     def _reactivate(self, req_id: str) -> None:
         req = self.requests[req_id]
-        if req.routes.steer or req.routes.capture:
+        if req.routes.steer or req.routes.capture or req.hooks:
             self.active[req_id] = req
 
     def _finish(self, req_id: str) -> None:
@@ -259,8 +288,18 @@ class HookRuntime:
         self._release_tables(req)
         self._attn_reqs -= bool(req.attn_jobs)
         req.finished_at = time.monotonic()
-        if not req.fetched and (req.routes.capture or req.errors):
+        self._finish_hooks(req)
+        if req.key and not req.fetched and (req.routes.capture or req.errors or req.hook_results):
             self.done[req_id] = req
+
+    def _finish_hooks(self, req: HookRequest) -> None:
+        """Its hooks run no more: their results go to host memory (persistent ones to their
+        store). At finish, or at the fetch, which may come first (vLLM tells workers that a
+        request finished only in the next step)."""
+        if req.hooks is not None:
+            self.hooked.pop(req.req_id, None)
+            req.hook_results = self.hooks.finish(req.req_id, req.hooks)
+            req.hooks = None
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -296,8 +335,30 @@ class HookRuntime:
             for r in self.active.values():
                 _note(r.errors, f"internal error in vllm_hook routing: {e!r}")
             self._reset_steering(view.num_tokens_padded)
+        if self.hooked:
+            self._plan_hooks(view)
         self.timing["hooked_steps"] += 1
         self._count_host(t0, self._repeated is not None)
+
+    def _plan_hooks(self, view: StepView) -> None:
+        try:
+            qsl, computed = view.query_start_loc.tolist(), view.num_computed.tolist()
+            entries = []
+            for rid, req in self.hooked.items():
+                i = view.index.get(rid)
+                if i is not None and req.hooks is not None:
+                    entries.append((req.hooks, qsl[i], qsl[i + 1] - qsl[i], computed[i]))
+            self.hooks.plan(entries)
+        except Exception as e:
+            log.exception("vllm_hook: planning hooks failed; no hook runs in this step")
+            self.hooks.clear_plan()
+            for req in self.hooked.values():
+                _note(req.errors, f"internal error in vllm_hook planning hooks: {e!r}")
+
+    def hooks_in(self, scheduled) -> bool:
+        """Whether Python hooks run in the step that schedules `scheduled` (request ids):
+        then it must not be a FULL CUDA graph replay, which runs no Python."""
+        return bool(self.hooked) and any(rid in self.hooked for rid in scheduled)
 
     def _count_host(self, t0: float, repeated: bool) -> None:
         dt = time.perf_counter() - t0
@@ -372,6 +433,8 @@ class HookRuntime:
 
     def end_step(self) -> None:
         """After the forward was queued: compute attention weights where asked, queue copies."""
+        if self.hooks is not None:
+            self.hooks.clear_plan()
         step, self._step = self._step, None
         repeated, self._repeated = self._repeated, None
         if step is None and repeated is None:
@@ -407,6 +470,7 @@ class HookRuntime:
         for pool in (self.done, self.requests):
             for rid, req in list(pool.items()):
                 if req.key in wanted and not req.fetched:
+                    self._finish_hooks(req)
                     store, req.store, req.fetched = req.store, RequestStore(), True
                     self.done.pop(rid, None)
                     yield rid, req, store
@@ -422,11 +486,56 @@ class HookRuntime:
                     "rank": self.rank, "attn_heads": {str(k): v for k, v in req.attn_heads.items()},
                     "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
                     "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
-            out[req.key].append({"req_id": rid, **store.to_wire(meta, spill)})
+            extra = self._hook_tensors(req, meta)
+            out[req.key].append({"req_id": rid, **store.to_wire(meta, spill, extra)})
             self.timing["write_s"] += time.perf_counter() - t1
         self.timing["fetches"] += 1
         self.timing["fetch_s"] += time.perf_counter() - t0
         return out
+
+    def _hook_tensors(self, req: HookRequest, meta: dict) -> dict[str, torch.Tensor]:
+        """The request's hook results: their tensors, and their structure into `meta`."""
+        if req.hook_results is None:
+            return {}
+        trees, event = req.hook_results
+        req.hook_results = None
+        if event is not None:
+            event.synchronize()
+        try:
+            tensors, meta["hooks"] = encode(trees, HOOK_TENSOR_PREFIX)
+        except StateError as e:
+            meta["errors"] = [*meta["errors"], f"hook results could not be delivered: {e}"]
+            return {}
+        return tensors
+
+    def persistent_hooks(self, op: str, *args, ids=lambda r: r):
+        """The persistent-hook RPCs (register, collect, clear results, clear, prefetch).
+        `ids` maps a worker's request id to the caller's. Failures come back as {"error"}."""
+        if self.hooks is None:
+            return {"error": "this engine has no hook layers: start it with additional_config "
+                             'vllm_hook.hook_layers (a list of layers or "all")'}
+        h = self.hooks
+        try:
+            if op == "register_hooks":
+                return h.register([h.build(e) for e in args[0]])
+            if op == "collect_hooks":
+                done = set(args[0]) if args else set()
+                for rid, req in list(self.hooked.items()):
+                    if ids(rid) in done:        # finished, though this worker has not heard yet
+                        self._finish_hooks(req)
+                if self.rank != 0:
+                    return {}
+                return {"blob": encode_collected({ids(r): t for r, t in h.collect().items()})}
+            if op == "clear_hook_results":
+                return h.clear_results()
+            if op == "clear_hooks":
+                h.clear()
+                return 0
+            if op == "prefetch_params":
+                return h.access.prefetch(list(args[0]))
+        except (KeyError, ValueError, TypeError, StateError) as e:
+            return {"error": str(e.args[0]) if e.args else repr(e)}
+        raise ValueError(op)
 
     def discard(self, keys: list[str]) -> int:
         """Drop the results of aborted requests, unserialised."""
@@ -454,5 +563,8 @@ class HookRuntime:
             "copies_in_flight": self.collector.in_flight,
             "device_buffer_bytes": self.bufs.nbytes(),
             "steps_routed": self.steps_routed,
-            "timing": dict(self.timing),
+            "hooked": len(self.hooked),
+            "persistent_hooks": len(self.hooks.persistent) if self.hooks else 0,
+            "persistent_hook_results": len(self.hooks.persistent_results) if self.hooks else 0,
+            "timing": {**self.timing, **(self.hooks.timing if self.hooks else {})},
         }

@@ -1,0 +1,59 @@
+"""Model parameters and modules for hooks (`ctx.get_parameter`, `ctx.final_norm`): vLLM's
+module tree read here, gathered over tensor-parallel ranks, vocabulary padding removed."""
+
+from __future__ import annotations
+
+
+import torch
+
+# Names that vLLM may hold under another one (tied embeddings share one tensor).
+_ALIASES = {"lm_head.weight": ("model.embed_tokens.weight",)}
+
+
+class ModelAccess:
+    def __init__(self, model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1):
+        self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
+        self._cache: dict[str, torch.Tensor] = {}
+        self._norm = getattr(getattr(model, "model", None), "norm", None)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        t = self._cache.get(name)
+        if t is None:
+            t = self._cache[name] = self._gather(name)
+        return t
+
+    def prefetch(self, names: list[str]) -> list[str]:
+        for n in names:
+            self(n)
+        return sorted(self._cache)
+
+    def _find(self, name: str) -> tuple[str, torch.nn.Parameter]:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for cand in (name, *_ALIASES.get(name, ())):
+            if cand in params:
+                return cand, params[cand]
+        near = sorted(n for n in params if n.split(".")[-1] == name.split(".")[-1])[:8]
+        raise KeyError(f"the model has no parameter {name!r} (vLLM's names; e.g. {near or sorted(params)[:8]})")
+
+    def _gather(self, name: str) -> torch.Tensor:
+        found, p = self._find(name)
+        t = p.detach()
+        if self.tp_size > 1:
+            dim = getattr(p, "output_dim", None)
+            dim = getattr(p, "input_dim", None) if dim is None else dim
+            if dim is not None:
+                from vllm.distributed import tensor_model_parallel_all_gather
+
+                t = tensor_model_parallel_all_gather(t.contiguous(), dim=dim)
+        owner = self.model.get_submodule(found.rsplit(".", 1)[0]) if "." in found else self.model
+        vocab = getattr(owner, "org_vocab_size", None)
+        if vocab is not None and t.shape[0] > vocab:
+            t = t[:vocab]                      # vLLM pads the vocabulary; the checkpoint does not
+        return t
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The model's own final norm applied to `h` (what the unembedding reads)."""
+        if self._norm is None:
+            raise AttributeError(f"{type(self.model).__name__} has no model.norm")
+        out = self._norm(h)
+        return out[0] if isinstance(out, tuple) else out

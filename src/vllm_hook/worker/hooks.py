@@ -1,0 +1,308 @@
+"""Python hooks on the worker: per-request instances, the per-step plan, running them at
+each hook point (`model/hook_point.py`), persistent hooks and their results.
+
+A hook that raises, returns a wrong shape, or grows its state past `max_hook_state_bytes`
+fails for its own request only (an error in its results; it runs no more for that request);
+the rows it was given stay as they were. Returned rows are written back with non-finite
+values replaced and every value clamped to `steer_bound`, so no hook can make the stream,
+and so the KV cache others reuse, hold inf or NaN.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+
+from ..delivery.hostmem import upload
+from ..hooks import registry
+from ..hooks.context import BatchHookContext, HookContext
+from ..hooks.hook import Hook, unpickle_hook
+from ..hooks.state import StateError, nbytes, to_host
+from ..model.hook_point import new_owner
+
+log = logging.getLogger("vllm_hook")
+HOOK_CACHE = 256              # distinct hooks kept built (by digest): a batch shares one object
+STATE_CHECK_EVERY = 64        # calls between checks of a request's hook state size
+
+
+@dataclass(eq=False)
+class HookInstance:
+    index: int                                   # in the request's spec, or among persistent hooks
+    hook: Hook
+    ctx: HookContext
+    points: tuple[tuple[int, int, bool], ...]    # (boundary, layer, pre)
+    label: str
+    errors: list[str]                            # the request's error list
+    failed: bool = False
+    calls: int = 0
+
+    def fail(self, msg: str) -> None:
+        if not self.failed:
+            self.failed = True
+            self.errors.append(f"{self.label}: {msg}; it runs no more for this request")
+            log.warning("vllm_hook: request %s: %s: %s", self.ctx.request_id, self.label, msg)
+
+
+@dataclass(eq=False)
+class RequestHooks:
+    spec: list[HookInstance] = field(default_factory=list)
+    persistent: list[HookInstance] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[HookInstance]:
+        return self.persistent + self.spec
+
+
+class WorkerHooks:
+    def __init__(self, access: Any, num_layers: int, boundaries: set[int], cfg: Any,
+                 bound: float, tp_rank: int = 0, tp_size: int = 1):
+        self.access, self.num_layers, self.boundaries = access, num_layers, set(boundaries)
+        self.cfg, self.bound, self.tp_rank, self.tp_size = cfg, bound, tp_rank, tp_size
+        self.owner = new_owner(self.run)
+        self._built: OrderedDict[str, Hook] = OrderedDict()
+        self.persistent: list[Hook] = []
+        self.persistent_results: OrderedDict[str, list] = OrderedDict()
+        self.persistent_dropped = 0
+        self._plan: dict[int, list] | None = None
+        self.timing = dict.fromkeys(("hook_calls", "hook_s", "hook_steps"), 0.0)
+        registry.load(tuple(cfg.hook_modules))
+
+    # ---- building ------------------------------------------------------------------------
+    def build(self, entry: dict) -> Hook:
+        """The Hook of a wire entry ({"pickle": bytes} or {"name", "args"}), built once per
+        digest: requests sending the same hook share one object (and a batched call)."""
+        key = entry.get("digest") or ""
+        hook = self._built.get(key)
+        if hook is None:
+            if "pickle" in entry:
+                hook = unpickle_hook(entry["pickle"])
+            else:
+                hook = registry.build(entry["name"], entry.get("args") or {})[0]
+            self._built[key] = hook
+            while len(self._built) > HOOK_CACHE:
+                self._built.popitem(last=False)
+        else:
+            self._built.move_to_end(key)
+        return hook
+
+    def _points(self, hook: Hook) -> tuple[tuple[int, int, bool], ...]:
+        pts = []
+        for layer in hook.layer_indices:
+            L = layer % self.num_layers
+            b = L if hook.pre else L + 1
+            if b not in self.boundaries:
+                raise ValueError(f"layer {L} has no hook point in this engine (hook_layers)")
+            pts.append((b, L, hook.pre))
+        return tuple(pts)
+
+    def _instance(self, index: int, hook: Hook, req_id: str, prompt_len: int, errors: list[str],
+                  persistent: bool) -> HookInstance:
+        kind = "persistent hook" if persistent else "hook"
+        label = f"{kind} {index}" + (f" ({hook.name})" if hook.name else "")
+        ctx = HookContext(req_id, prompt_len, self.access, self.tp_rank, self.tp_size)
+        return HookInstance(index, hook, ctx, self._points(hook), label, errors)
+
+    def for_request(self, req_id: str, prompt_len: int, wire_hooks: Iterable[dict],
+                    errors: list[str]) -> RequestHooks | None:
+        rh = RequestHooks()
+        for i, h in enumerate(self.persistent):
+            rh.persistent.append(self._instance(i, h, req_id, prompt_len, errors, True))
+        for entry in wire_hooks:
+            i = int(entry["i"])
+            try:
+                rh.spec.append(self._instance(i, self.build(entry), req_id, prompt_len, errors, False))
+            except Exception as e:
+                errors.append(f"hook {i} could not be built on the worker: {e!r}")
+                log.exception("vllm_hook: request %s: building hook %d failed", req_id, i)
+        return rh if rh.spec or rh.persistent else None
+
+    # ---- per step ----------------------------------------------------------------------------
+    def plan(self, entries: Iterable[tuple[RequestHooks, int, int, int]]) -> None:
+        """This step's calls per hook point, from (hooks, first row, rows, first position)
+        of each hooked request in the batch."""
+        plan: dict[int, list] = {}
+        for rh, start, count, first in entries:
+            if count <= 0:
+                continue
+            for inst in rh.all:
+                if inst.failed:
+                    continue
+                for b, L, pre in inst.points:
+                    plan.setdefault(b, []).append((inst, L, pre, start, count, first))
+        self._plan = plan or None
+        self.timing["hook_steps"] += bool(plan)
+
+    def clear_plan(self) -> None:
+        self._plan = None
+
+    @property
+    def planned(self) -> bool:
+        return self._plan is not None
+
+    def run(self, boundary: int, hs: torch.Tensor, res: torch.Tensor | None) -> None:
+        """At hook point `boundary` of this step: post hooks of the layer before, then pre
+        hooks of the layer after; persistent hooks first, then each request's in spec order.
+        Batched hooks: one call for all requests that share the hook object."""
+        plan = self._plan
+        if plan is None:
+            return
+        calls = plan.get(boundary)
+        if not calls:
+            return
+        t0 = time.perf_counter()
+        try:
+            if hs.is_cuda and torch.cuda.is_current_stream_capturing():
+                return           # a graph capture records no hook
+            groups: dict[tuple, list] = {}
+            order: list = []
+            for c in sorted(calls, key=lambda c: c[2]):              # post (False) first
+                inst, L, pre = c[0], c[1], c[2]
+                if inst.hook.batched:
+                    key = (id(inst.hook), L, pre)
+                    if key not in groups:
+                        groups[key] = []
+                        order.append(("batch", key))
+                    groups[key].append(c)
+                else:
+                    order.append(("one", c))
+            for kind, item in order:
+                if kind == "one":
+                    self._one(item, hs, res)
+                else:
+                    self._batch(groups[item], hs, res)
+        except Exception:          # a bug of ours: never the engine's step
+            log.exception("vllm_hook: running hooks at boundary %d failed", boundary)
+            for c in calls:
+                c[0].fail("internal error in vllm_hook while running hooks")
+        self.timing["hook_s"] += time.perf_counter() - t0
+
+    def _rows(self, hs, res, rows):
+        return hs[rows] + res[rows] if res is not None else hs[rows].clone()
+
+    def _one(self, call, hs, res) -> None:
+        inst, L, pre, start, count, first = call
+        if inst.failed:
+            return
+        sl = slice(start, start + count)
+        h = self._rows(hs, res, sl)
+        out = self._call(inst.hook.fn, inst.ctx._at(L, pre, first, count), h, [inst], L)
+        if out is not None:
+            self._write(hs, res, sl, out, h, [inst], L)
+        self._check_state(inst)
+
+    def _batch(self, calls, hs, res) -> None:
+        calls = [c for c in calls if not c[0].failed]
+        if not calls:
+            return
+        insts = [c[0] for c in calls]
+        L, pre = calls[0][1], calls[0][2]
+        segs = [(c[3], c[4]) for c in calls]
+        for inst, (_, _, _, start, count, first) in zip(insts, calls):
+            inst.ctx._at(L, pre, first, count)
+        contiguous = all(a[0] + a[1] == b[0] for a, b in zip(segs, segs[1:]))
+        if contiguous:
+            rows = slice(segs[0][0], segs[-1][0] + segs[-1][1])
+        else:
+            idx = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in segs])
+            rows = upload(torch.from_numpy(idx), hs.device)
+        h = self._rows(hs, res, rows)
+        offsets, at = [], 0
+        for _, n in segs:
+            offsets.append((at, n))
+            at += n
+        ctx = BatchHookContext([i.ctx for i in insts], offsets, L, pre, self.access,
+                               self.tp_rank, self.tp_size)
+        out = self._call(insts[0].hook.fn, ctx, h, insts, L)
+        if out is not None:
+            self._write(hs, res, rows, out, h, insts, L)
+        for inst in insts:
+            self._check_state(inst)
+
+    def _call(self, fn: Callable, ctx, h: torch.Tensor, insts: list[HookInstance], L: int):
+        self.timing["hook_calls"] += 1
+        try:
+            return fn(ctx, h)
+        except Exception as e:
+            for inst in insts:
+                inst.fail(f"raised {type(e).__name__}: {e} (layer {L})")
+            return None
+
+    def _write(self, hs, res, rows, out, h, insts: list[HookInstance], L: int) -> None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(h.shape):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            for inst in insts:
+                inst.fail(f"returned {got}, expected a tensor of shape {tuple(h.shape)} or None "
+                          f"(layer {L})")
+            return
+        # The stream must stay finite whatever a hook returns (module docstring).
+        safe = torch.nan_to_num(out.to(device=hs.device, dtype=torch.float32), nan=0.0,
+                                posinf=self.bound, neginf=-self.bound).clamp_(-self.bound, self.bound)
+        if res is None:
+            hs[rows] = safe.to(hs.dtype)
+        else:
+            # The next layer adds hs + res: zero one, the other carries the whole stream.
+            hs[rows] = 0
+            res[rows] = safe.to(res.dtype)
+
+    def _check_state(self, inst: HookInstance) -> None:
+        inst.calls += 1
+        if inst.calls % STATE_CHECK_EVERY:
+            return
+        try:
+            size = nbytes(inst.ctx.saved)
+        except StateError as e:
+            size, err = 0, str(e)
+        else:
+            err = None
+        limit = self.cfg.max_hook_state_bytes
+        if err or size > limit:
+            inst.ctx.saved.clear()
+            inst.fail(err or f"ctx.saved holds {size} bytes, more than max_hook_state_bytes="
+                      f"{limit}; save less per step (e.g. a reduction, or the last rows only) or "
+                      "raise additional_config vllm_hook.max_hook_state_bytes")
+
+    # ---- results -------------------------------------------------------------------------
+    def finish(self, req_id: str, rh: RequestHooks) -> tuple[list, Any]:
+        """The request's spec-hook results (saved dicts, by spec index) queued to host memory,
+        with the event to wait for; persistent hook results go to their store."""
+        for inst in rh.all:
+            inst.calls = STATE_CHECK_EVERY - 1       # the last check, whatever the count
+            self._check_state(inst)
+        spec = [inst.ctx.saved for inst in sorted(rh.spec, key=lambda i: i.index)]
+        if rh.persistent and self.tp_rank == 0:
+            trees, event = to_host([i.ctx.saved for i in rh.persistent])
+            self.persistent_results[req_id] = (trees, event)
+            while len(self.persistent_results) > self.cfg.max_persistent_hook_results:
+                self.persistent_results.popitem(last=False)
+                self.persistent_dropped += 1
+        if not spec or self.tp_rank != 0:
+            return [], None
+        return to_host(spec)
+
+    def collect(self) -> dict[str, list]:
+        out = {}
+        for rid, (trees, event) in self.persistent_results.items():
+            if event is not None:
+                event.synchronize()
+            out[rid] = trees
+        return out
+
+    def register(self, hooks: list[Hook]) -> int:
+        for h in hooks:
+            self._points(h)          # refuse layers without a hook point before keeping any
+        self.persistent.extend(hooks)
+        return len(self.persistent)
+
+    def clear(self) -> None:
+        self.persistent.clear()
+
+    def clear_results(self) -> int:
+        n = len(self.persistent_results)
+        self.persistent_results.clear()
+        return n
