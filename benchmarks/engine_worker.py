@@ -29,6 +29,32 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(lo, vocab - 1) for _ in range(length)] for _ in range(n)]
 
 
+_PY_HOOKS: dict = {}
+
+
+def python_hooks(spec):
+    """Specs may name per-request Python hooks the worker builds ({"pyhooks": [[name,
+    layers]]}, JSON cannot carry code): "norms" (read-only: each row's norm) and "scale"
+    (modifying: the stream times 1.001). One object per (name, layers), as a user keeps one."""
+    if not spec or "pyhooks" not in spec:
+        return spec
+    import vllm_hook
+
+    def norms(ctx, h):
+        ctx.saved.setdefault(f"layer{ctx.layer_idx}", []).append(h.float().norm(dim=-1))
+
+    def scale(ctx, h):
+        return h * 1.001
+
+    hooks = []
+    for name, layers in spec["pyhooks"]:
+        key = (name, tuple(layers))
+        if key not in _PY_HOOKS:
+            _PY_HOOKS[key] = vllm_hook.Hook({"norms": norms, "scale": scale}[name], list(layers))
+        hooks.append(_PY_HOOKS[key])
+    return {**{k: v for k, v in spec.items() if k != "pyhooks"}, "hooks": spec.get("hooks", []) + hooks}
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     if cfg.get("native"):
@@ -64,7 +90,7 @@ def main() -> None:
     def run(cmd):
         n, plen, gen = cmd["n"], cmd["prompt_len"], cmd["max_tokens"]
         ps = prompts(n, plen, vocab, cmd.get("seed", 0))
-        specs = cmd.get("specs") or [None] * n
+        specs = [python_hooks(s) for s in (cmd.get("specs") or [None] * n)]
         sps = [SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True, logprobs=cmd.get("logprobs"),
                               extra_args={"vllm_hook": s} if (s and hook) else None) for s in specs]
         torch.cuda.synchronize() if torch.cuda.is_available() else None

@@ -1,0 +1,235 @@
+"""Python hooks on the GPU (issue 16): graphs vs eager parity, and their cost beside native.
+
+    source scripts/gpu_env.sh && python3 benchmarks/hooks_gpu.py --out $OUT/hooks
+
+Four engines alive together (`run.py`'s workers): native vLLM with CUDA graphs, native eager,
+and vllm-hook with hook layers (the four logit-lens layers and one in the middle) with CUDA
+graphs and eager. Parity: a read-only and a modifying hook, graph vs eager, against native's
+own graph-vs-eager noise (bf16, random weights). Speed, at each concurrency: decode time per
+token (the engine core's step interval) and end-to-end throughput (generate + results, in the
+user's hands), alternating engines per rep, for (a) no hooked request, (b) a read-only logit
+lens at 4 layers (batched), (c) a modifying hook at 1 layer (batched), and the same as
+per-request Python hooks (norms at 4 layers, a scaling at 1). Writes results.json, report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from run import _versions, start, tpot, tracker_layers  # noqa: E402
+
+TARGET_UNUSED, TARGET_HOOKED = 1.01, 1.25
+
+
+def workloads(L: int) -> dict:
+    four, mid = tracker_layers(L), L // 2
+    return {
+        "unused": None,
+        "logit_lens_4_layers": {"hooks": [{"name": "logit_lens", "args": {"layers": four, "k": 5}}]},
+        "modify_1_layer": {"hooks": [{"name": "zero_dims", "args": {"layers": [mid], "dims": [0, 1, 2, 3]}}]},
+        "py_norms_4_layers": {"pyhooks": [["norms", four]]},
+        "py_scale_1_layer": {"pyhooks": [["scale", [mid]]]},
+    }
+
+
+def parity(engines: dict, L: int) -> dict:
+    """First-step logprobs and hook outputs, graph vs eager, for a read-only and a modifying
+    hook, next to native's graph-vs-eager noise on the same prompts."""
+    from safetensors.torch import load_file
+
+    import vllm_hook
+
+    four, mid = tracker_layers(L), L // 2
+    specs = [None,
+             {"hooks": [{"name": "stream_norms", "args": {"layers": four}}], "capture": [{"layers": four}]},
+             {"hooks": [{"name": "zero_dims", "args": {"layers": [mid], "dims": list(range(64))}}],
+              "capture": [{"layers": [mid], "tokens": "all"}]},
+             {"hooks": [{"name": "logit_lens", "args": {"layers": four, "k": 5}}]}]
+    save = tempfile.mkdtemp(prefix="vh_hooks_check_")
+    out = {name: w.call({"op": "outputs", "n": len(specs), "prompt_len": 64, "max_tokens": 16, "specs": specs,
+                         "save_dir": save, "tag": name, "logprobs": 5})["outputs"]
+           for name, w in engines.items()}
+
+    def lp(a, b, idx):
+        worst = 0.0
+        for i in idx:
+            la, lb = out[a][i]["first_logprobs"], out[b][i]["first_logprobs"]
+            top = max(lb, key=lb.get)
+            worst = max(worst, abs(la.get(top, float("-inf")) - lb[top]))
+        return worst
+
+    def res(name, i):
+        return vllm_hook.Results.load(out[name][i]["saved"])
+
+    g, e = res("plugin_graph", 1), res("plugin_eager", 1)
+    norm_err, cap_vs_hook = 0.0, 0.0
+    for L_ in four:
+        hg = load_norms(g, L_)
+        he = load_norms(e, L_)
+        norm_err = max(norm_err, float((hg - he).abs().max() / he.abs().max()))
+        cap = g.activations["resid_post"][L_].float().norm(dim=-1)
+        cap_vs_hook = max(cap_vs_hook, float((hg[:len(cap)] - cap).abs().max() / cap.abs().max()))
+    zg, ze = res("plugin_graph", 2), res("plugin_eager", 2)
+    zeroed = all(float(r.activations["resid_post"][mid][:, :64].abs().max()) == 0.0 for r in (zg, ze))
+    lg, le = res("plugin_graph", 3).hook_results[0], res("plugin_eager", 3).hook_results[0]
+    agree = [float((torch_cat(lg[f"layer{x}.ids"])[:, 0] == torch_cat(le[f"layer{x}.ids"])[:, 0]).float().mean())
+             for x in four]
+    del load_file
+    return {
+        "noise_native_graph_vs_eager_first_logprob": lp("native_eager", "native_graph", range(len(specs))),
+        "unhooked_plugin_graph_vs_native_graph_first_logprob": lp("plugin_graph", "native_graph", [0]),
+        "read_only_hook_graph_vs_eager_first_logprob": lp("plugin_eager", "plugin_graph", [1, 3]),
+        "modifying_hook_graph_vs_eager_first_logprob": lp("plugin_eager", "plugin_graph", [2]),
+        "modifying_hook_changes_output_first_logprob": lp("plugin_graph", "native_graph", [2]),
+        "read_only_hook_norms_graph_vs_eager_rel": norm_err,
+        "read_only_hook_vs_capture_same_engine_rel": cap_vs_hook,
+        "modifying_hook_zeroed_dims_exactly": zeroed,
+        "logit_lens_top1_agreement_graph_vs_eager": agree,
+        "tokens": {k: [o["tokens"] for o in v] for k, v in out.items()},
+    }
+
+
+def torch_cat(xs):
+    import torch
+
+    return torch.cat(xs)
+
+
+def load_norms(r, layer):
+    return torch_cat(r.hook_results[0][f"layer{layer}"]).float()
+
+
+def speed(engines: dict, L: int, args) -> list[dict]:
+    wl = workloads(L)
+    rows = []
+    native, eager, plugin = engines["native_graph"], engines["native_eager"], engines["plugin_graph"]
+    for c in args.concurrency:
+        for rep in range(args.reps):
+            r = {"concurrency": c, "rep": rep}
+            for name, w, spec in [("native", native, None), ("native_eager", eager, None)] + \
+                    [(k, plugin, v) for k, v in wl.items()]:
+                if name == "native_eager" and rep >= args.eager_reps:
+                    continue
+                t = tpot(w, c, args.prompt_len, args.gen, [spec] * c if spec else None, 1)
+                r[name] = {"tpot_s": t[t["method"]], "wall_s": t["wall_s"],
+                           "tok_per_s": c * (args.gen + 1) / t["wall_s"], "host_us": t["host_us"]}
+            rows.append(r)
+            print(f"  c={c:<3} rep {rep}: " + "  ".join(
+                f"{k} {1e3 * v['tpot_s']:.2f}ms/{v['tok_per_s']:.0f}t/s" for k, v in r.items()
+                if isinstance(v, dict)), flush=True)
+    return rows
+
+
+def report(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
+             f"prompt {m['prompt_len']} tokens, {m['gen']} generated; wall {m.get('wall_s', 0):.0f} s.", ""]
+    st = result["startup"]
+    lines += ["| engine | start-up s | CUDA-graph GiB |", "|---|---|---|"]
+    lines += [f"| {k} | {v.get('startup_s', float('nan')):.1f} | {v.get('graph_gib', float('nan')):.2f} |"
+              for k, v in st.items()]
+    p = result.get("parity")
+    if p:
+        lines += ["", "Parity (graph vs eager, bf16, random weights):", ""]
+        lines += [f"- {k}: {v}" for k, v in p.items() if k != "tokens"]
+    rows = result.get("speed", [])
+    if rows:
+        names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+        lines += ["", "Decode time per token (ms) and end-to-end tokens/s, medians over reps; ratio to native:", "",
+                  "| requests | workload | TPOT ms | x native | tok/s e2e | x native (time) | target |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in sorted({r["concurrency"] for r in rows}):
+            rs = [r for r in rows if r["concurrency"] == c]
+            nt = statistics.median(r["native"]["tpot_s"] for r in rs)
+            nw = statistics.median(r["native"]["wall_s"] for r in rs)
+            for k in names:
+                got = [r[k] for r in rs if k in r]
+                t = statistics.median(x["tpot_s"] for x in got)
+                w = statistics.median(x["wall_s"] for x in got)
+                tps = statistics.median(x["tok_per_s"] for x in got)
+                tgt = TARGET_UNUSED if k == "unused" else (TARGET_HOOKED if k not in ("native", "native_eager") else None)
+                verdict = "" if tgt is None or c == 1 and k != "unused" else ("met" if t / nt <= tgt and w / nw <= tgt else "NOT met") + f" (<= {tgt})"
+                lines.append(f"| {c} | {k} | {1e3 * t:.3f} | {t / nt:.3f} | {tps:.0f} | {w / nw:.3f} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--shape", default="qwen2-1.5b")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--eager-reps", type=int, default=1)
+    ap.add_argument("--gpu-mem", type=float, default=0.2)
+    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script runs")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        from vllm_hook.testing.tiny_models import tiny_model
+
+        model = tiny_model("qwen2")
+        base = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, kv_cache_memory_bytes=64 << 20,
+                    disable_log_stats=False, seed=0)
+        args.concurrency, args.gen, args.reps, args.prompt_len = [2], 4, 1, 32
+    else:
+        from make_model import build
+
+        model = args.model or build(args.shape, "/tmp/vh_models")
+        base = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=64, skip_tokenizer_init=True,
+                    gpu_memory_utilization=args.gpu_mem, seed=0, disable_log_stats=False)
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    L = cfg["num_hidden_layers"]
+    hook_layers = sorted({*tracker_layers(L), L // 2})
+    plugin_cfg = {"additional_config": {"vllm_hook": {"hook_layers": hook_layers}}}
+    plan = [("native_graph", True, {}), ("plugin_graph", False, plugin_cfg),
+            ("native_eager", True, {"enforce_eager": True}),
+            ("plugin_eager", False, {**plugin_cfg, "enforce_eager": True})]
+    meta = {"model": model, "shape": {k: cfg.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
+            "hook_layers": hook_layers, "prompt_len": args.prompt_len, "gen": args.gen, "argv": sys.argv,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), **_versions()}
+    print(json.dumps(meta), flush=True)
+    result = {"meta": meta, "startup": {}}
+    t0 = time.time()
+
+    def save():
+        result["meta"]["wall_s"] = time.time() - t0
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+        (out / "report.md").write_text(report(result))
+
+    engines = {}
+    try:
+        for name, native, extra in plan:
+            w, info = start(name, model, {**base, **extra}, out, native=native)
+            engines[name] = w
+            result["startup"][name] = {k: v for k, v in info.items() if k != "stats"}
+            save()
+        if not args.skip_parity:
+            result["parity"] = parity(engines, L)
+            print(json.dumps({k: v for k, v in result["parity"].items() if k != "tokens"}, indent=1), flush=True)
+            save()
+        result["speed"] = speed(engines, L, args)
+        result["plugin_stats"] = engines["plugin_graph"].call({"op": "stats"})["stats"]
+    finally:
+        for w in engines.values():
+            w.close()
+        save()
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
