@@ -8,9 +8,13 @@ written into persistent buffers here, before the replay.
 
 from __future__ import annotations
 
+import logging
+
 from .base import StepView
 from .common import HOOK_STEP, events, load_model_wrapper, require, run_step, runtime_of
 from .patching import wrap_method, when_imported
+
+log = logging.getLogger("vllm_hook")
 
 
 def _execute_model(orig):
@@ -25,14 +29,85 @@ def _execute_model(orig):
     return execute_model
 
 
+# ---- CUDA graphs for steps with Python hooks --------------------------------------------------
+# A FULL graph replay runs no Python. With hook layers, every FULL graph is captured a second
+# time, broken at the hook points (vLLM's BreakableCUDAGraphCapture, attention kept inside):
+# a decode step with hooked requests replays that one, its hooks running eagerly between the
+# segments. Steps of other shapes use the piecewise graphs, which the hook points split.
+HOOKED = "_vllm_hook_hooked_graphs"
+WANT_HOOKED = {"on": False}        # this worker's model has hook points (set at load_model)
+
+
 def _dispatch(orig):
     """CudaGraphManager.dispatch(num_reqs, num_tokens, uniform_token_count, ...): a step with
-    Python hooks is not uniform decode, so it gets a piecewise graph (eager if none)."""
+    Python hooks may use a FULL graph only if it has a hooked twin; else it is not uniform
+    decode, so it gets a piecewise graph (eager if none)."""
     def dispatch(self, num_reqs, num_tokens, uniform_token_count=None, *args, **kwargs):
-        if HOOK_STEP["on"]:
+        if HOOK_STEP["on"] and not self.__dict__.get(HOOKED):
             uniform_token_count = None
         return orig(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
     return dispatch
+
+
+def _capture(orig):
+    def capture(self, create_forward_fn, *args, **kwargs):
+        out = orig(self, create_forward_fn, *args, **kwargs)
+        if WANT_HOOKED["on"] and type(self).__name__ == "ModelCudaGraphManager":
+            _capture_hooked(self, create_forward_fn)
+        return out
+    return capture
+
+
+def _capture_hooked(manager, create_forward_fn) -> None:
+    """The twin of every FULL graph, broken at the hook points, as vLLM captures FULL graphs
+    (warm-up with fresh attention state, then capture in the same memory pool)."""
+    import torch
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.distributed.parallel_state import graph_capture
+    from vllm.model_executor.offloader.base import get_offloader
+    from vllm.utils.torch_utils import weak_ref_tensor
+
+    from ..model.hook_point import BREAKER
+
+    descs = manager._capture_descs.get(CUDAGraphMode.FULL, [])
+    hooked = {}
+
+    def breaker(run, boundary, hs, res):
+        # Weak references: the replay writes these addresses, and holding them would pin
+        # graph-pool memory across captures (as vLLM's own breakable capture does).
+        hs_w, res_w = weak_ref_tensor(hs), (weak_ref_tensor(res) if res is not None else None)
+        BreakableCUDAGraphCapture.current().add_eager(lambda: run(boundary, hs_w, res_w))
+
+    with torch.inference_mode(), graph_capture(device=manager.device):
+        for desc in descs:
+            create_forward_fn(desc, warmup=True)(CUDAGraphMode.NONE)
+            forward_fn = create_forward_fn(desc, warmup=False)
+            get_offloader().sync_prev_onload()
+            BREAKER["fn"] = breaker
+            try:
+                with BreakableCUDAGraphCapture(pool=manager.pool) as cap:
+                    forward_fn(CUDAGraphMode.NONE)
+                    get_offloader().join_after_forward()
+            finally:
+                BREAKER["fn"] = None
+            hooked[desc] = cap
+    manager.__dict__[HOOKED] = hooked
+    log.info("vllm_hook: captured %d FULL CUDA graphs broken at the hook points (%d segments each)",
+             len(hooked), next(iter(hooked.values())).num_graphs if hooked else 0)
+
+
+def _run_fullgraph(orig):
+    def run_fullgraph(self, desc):
+        hooked = self.__dict__.get(HOOKED)
+        if HOOK_STEP["on"] and hooked and desc in hooked:
+            from vllm.model_executor.offloader.base import get_offloader
+
+            get_offloader().sync_prev_onload()
+            hooked[desc].replay()
+            return None
+        return orig(self, desc)
+    return run_fullgraph
 
 
 def _prepare_inputs(orig):
@@ -52,14 +127,27 @@ def _prepare_inputs(orig):
 def _patch(mod) -> None:
     cls = mod.GPUModelRunner
     require(cls, ("load_model", "execute_model", "prepare_inputs", "get_model"), "V2 GPUModelRunner")
-    wrap_method(cls, "load_model", load_model_wrapper)
+    wrap_method(cls, "load_model", _load_model)
     wrap_method(cls, "execute_model", _execute_model)
     wrap_method(cls, "prepare_inputs", _prepare_inputs)
 
 
+def _load_model(orig):
+    load = load_model_wrapper(orig)
+
+    def load_model(self, *args, **kwargs):
+        out = load(self, *args, **kwargs)
+        rt = runtime_of(self)
+        WANT_HOOKED["on"] = rt is not None and rt.hooks is not None
+        return out
+    return load_model
+
+
 def _patch_graphs(mod) -> None:
-    require(mod.CudaGraphManager, ("dispatch",), "V2 CudaGraphManager")
+    require(mod.CudaGraphManager, ("dispatch", "capture", "run_fullgraph"), "V2 CudaGraphManager")
     wrap_method(mod.CudaGraphManager, "dispatch", _dispatch)
+    wrap_method(mod.CudaGraphManager, "capture", _capture)
+    wrap_method(mod.CudaGraphManager, "run_fullgraph", _run_fullgraph)
 
 
 def install() -> None:

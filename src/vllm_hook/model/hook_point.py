@@ -6,8 +6,9 @@ rows a hook replaced) and returns nothing, so every tensor downstream keeps its 
 under vLLM's piecewise CUDA graphs it is a splitting op, run eagerly on the host between
 graph pieces, and the next piece reads what it wrote. Inside a FULL graph capture it does
 nothing (nothing is recorded), which is why steps with hooked requests are dispatched to
-piecewise graphs (`adapters/v2.py`). Under Inductor without graphs (the CPU) it is an
-opaque call: Python runs every step.
+piecewise graphs or to FULL graphs captured a second time, broken at the hook points
+(`adapters/v2.py`: the op then records its hooks as an eager step of the replay). Without
+graphs (eager) it is a plain call: Python runs every step.
 
 Inductor must never compile the op into one graph with the code around it: there, its
 buffer reuse around this in-place op (and a functional twin returning new tensors alike)
@@ -29,14 +30,22 @@ import torch
 
 OP_NAME = "vllm_hook::hook_point"
 _OWNERS: dict[int, Callable] = {}
+# Set while a runner adapter captures graphs that break at hook points (`adapters/v2.py`):
+# breaker(run) records `run` to be replayed eagerly at this point of every replay.
+BREAKER: dict[str, Callable | None] = {"fn": None}
 _ids = itertools.count(1)
 _lib = None
 
 
 def _hook_point(hs: torch.Tensor, res: torch.Tensor | None, boundary: int, owner: int) -> None:
     run = _OWNERS.get(owner)
-    if run is not None:
-        run(boundary, hs, res)
+    if run is None:
+        return
+    breaker = BREAKER["fn"]
+    if breaker is not None:
+        breaker(run, boundary, hs, res)
+        return
+    run(boundary, hs, res)
 
 
 def _fake(hs, res, boundary, owner) -> None:
