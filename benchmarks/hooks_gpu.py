@@ -199,6 +199,8 @@ def main() -> None:
     plan = [("native_graph", True, {}), ("plugin_graph", False, plugin_cfg),
             ("native_eager", True, {"enforce_eager": True}),
             ("plugin_eager", False, {**plugin_cfg, "enforce_eager": True})]
+    if args.skip_parity:
+        plan = plan[:3]            # plugin_eager serves only the parity check
     meta = {"model": model, "shape": {k: cfg.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
             "hook_layers": hook_layers, "prompt_len": args.prompt_len, "gen": args.gen, "argv": sys.argv,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), **_versions()}

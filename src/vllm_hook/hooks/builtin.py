@@ -46,11 +46,15 @@ def zero_dims(layers: list[int], dims: list[int], pre: bool = False) -> Hook:
     a neuron ablation in the residual basis."""
     if not dims:
         raise ValueError("dims must list at least one coordinate")
+    index: dict = {}     # per device: a list index would be copied to the device every call
 
     def fn(ctx, h):
         if max(dims) >= h.shape[-1]:
             raise ValueError(f"dims go up to {max(dims)}, the stream has {h.shape[-1]}")
-        h[:, dims] = 0
+        idx = index.get(h.device)
+        if idx is None:
+            idx = index[h.device] = torch.tensor(dims, device=h.device)
+        h.index_fill_(1, idx, 0)
         return h
 
     return Hook(fn, layers, pre=pre, batched=True, name="zero_dims",

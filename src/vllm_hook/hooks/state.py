@@ -77,16 +77,22 @@ def _replace(tree: Any, host: dict[int, torch.Tensor]) -> Any:
 
 
 def encode(trees: list, prefix: str) -> tuple[dict[str, torch.Tensor], list]:
-    """(tensors named `{prefix}.{n}`, the JSON structure of `trees`)."""
-    tensors: dict[str, torch.Tensor] = {}
+    """(one flat tensor per dtype, named `{prefix}.{dtype}`; the JSON structure of `trees`,
+    each tensor as [entry, offset, shape]). A hook that saves a small tensor per step saves
+    thousands per request: packed, they cost a few entries to write, send and read."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    sizes: dict[str, int] = {}
 
     def enc(v: Any, path: str) -> Any:
         if isinstance(v, np.ndarray):
             v = torch.from_numpy(np.ascontiguousarray(v))
         if isinstance(v, torch.Tensor):
-            name = f"{prefix}.{len(tensors)}"
-            tensors[name] = v.detach().cpu().contiguous()
-            return {"t": name}
+            t = v.detach()
+            name = f"{prefix}.{str(t.dtype).removeprefix('torch.')}"
+            at = sizes.get(name, 0)
+            parts.setdefault(name, []).append(t.reshape(-1))
+            sizes[name] = at + t.numel()
+            return {"t": [name, at, list(t.shape)]}
         if isinstance(v, dict):
             bad = [k for k in v if not isinstance(k, str)]
             if bad:
@@ -104,13 +110,18 @@ def encode(trees: list, prefix: str) -> tuple[dict[str, torch.Tensor], list]:
         raise StateError(f"{path} is a {type(v).__name__}: save tensors, numpy arrays, numbers, "
                          "strings, booleans, None, and lists or dicts of them")
 
-    return tensors, [enc(t, f"saved[{i}]") for i, t in enumerate(trees)]
+    structure = [enc(t, f"saved[{i}]") for i, t in enumerate(trees)]
+    tensors = {name: torch.cat([p.cpu() for p in ps]) if len(ps) > 1 else ps[0].cpu().contiguous()
+               for name, ps in parts.items()}
+    return tensors, structure
 
 
 def decode(structure: list, tensors: dict[str, torch.Tensor]) -> list:
     def dec(v: dict) -> Any:
         if "t" in v:
-            return tensors[v["t"]]
+            name, at, shape = v["t"]
+            n = math.prod(shape)
+            return tensors[name][at:at + n].view(shape)
         if "d" in v:
             return {k: dec(x) for k, x in v["d"].items()}
         if "l" in v:

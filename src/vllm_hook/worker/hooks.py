@@ -159,72 +159,14 @@ class WorkerHooks:
         try:
             if hs.is_cuda and torch.cuda.is_current_stream_capturing():
                 return           # a graph capture records no hook
-            groups: dict[tuple, list] = {}
-            order: list = []
-            for c in sorted(calls, key=lambda c: c[2]):              # post (False) first
-                inst, L, pre = c[0], c[1], c[2]
-                if inst.hook.batched:
-                    key = (id(inst.hook), L, pre)
-                    if key not in groups:
-                        groups[key] = []
-                        order.append(("batch", key))
-                    groups[key].append(c)
-                else:
-                    order.append(("one", c))
-            for kind, item in order:
-                if kind == "one":
-                    self._one(item, hs, res)
-                else:
-                    self._batch(groups[item], hs, res)
+            _Point(self, hs, res).run(calls)
         except Exception:          # a bug of ours: never the engine's step
             log.exception("vllm_hook: running hooks at boundary %d failed", boundary)
             for c in calls:
                 c[0].fail("internal error in vllm_hook while running hooks")
         self.timing["hook_s"] += time.perf_counter() - t0
 
-    def _rows(self, hs, res, rows):
-        return hs[rows] + res[rows] if res is not None else hs[rows].clone()
-
-    def _one(self, call, hs, res) -> None:
-        inst, L, pre, start, count, first = call
-        if inst.failed:
-            return
-        sl = slice(start, start + count)
-        h = self._rows(hs, res, sl)
-        out = self._call(inst.hook.fn, inst.ctx._at(L, pre, first, count), h, [inst], L)
-        if out is not None:
-            self._write(hs, res, sl, out, h, [inst], L)
-        self._check_state(inst)
-
-    def _batch(self, calls, hs, res) -> None:
-        calls = [c for c in calls if not c[0].failed]
-        if not calls:
-            return
-        insts = [c[0] for c in calls]
-        L, pre = calls[0][1], calls[0][2]
-        segs = [(c[3], c[4]) for c in calls]
-        for inst, (_, _, _, start, count, first) in zip(insts, calls):
-            inst.ctx._at(L, pre, first, count)
-        contiguous = all(a[0] + a[1] == b[0] for a, b in zip(segs, segs[1:]))
-        if contiguous:
-            rows = slice(segs[0][0], segs[-1][0] + segs[-1][1])
-        else:
-            idx = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in segs])
-            rows = upload(torch.from_numpy(idx), hs.device)
-        h = self._rows(hs, res, rows)
-        offsets, at = [], 0
-        for _, n in segs:
-            offsets.append((at, n))
-            at += n
-        ctx = BatchHookContext([i.ctx for i in insts], offsets, L, pre, self.access,
-                               self.tp_rank, self.tp_size)
-        out = self._call(insts[0].hook.fn, ctx, h, insts, L)
-        if out is not None:
-            self._write(hs, res, rows, out, h, insts, L)
-        for inst in insts:
-            self._check_state(inst)
-
-    def _call(self, fn: Callable, ctx, h: torch.Tensor, insts: list[HookInstance], L: int):
+    def call(self, fn: Callable, ctx, h: torch.Tensor, insts: list[HookInstance], L: int):
         self.timing["hook_calls"] += 1
         try:
             return fn(ctx, h)
@@ -232,23 +174,6 @@ class WorkerHooks:
             for inst in insts:
                 inst.fail(f"raised {type(e).__name__}: {e} (layer {L})")
             return None
-
-    def _write(self, hs, res, rows, out, h, insts: list[HookInstance], L: int) -> None:
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(h.shape):
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            for inst in insts:
-                inst.fail(f"returned {got}, expected a tensor of shape {tuple(h.shape)} or None "
-                          f"(layer {L})")
-            return
-        # The stream must stay finite whatever a hook returns (module docstring).
-        safe = torch.nan_to_num(out.to(device=hs.device, dtype=torch.float32), nan=0.0,
-                                posinf=self.bound, neginf=-self.bound).clamp_(-self.bound, self.bound)
-        if res is None:
-            hs[rows] = safe.to(hs.dtype)
-        else:
-            # The next layer adds hs + res: zero one, the other carries the whole stream.
-            hs[rows] = 0
-            res[rows] = safe.to(res.dtype)
 
     def _check_state(self, inst: HookInstance) -> None:
         inst.calls += 1
@@ -306,3 +231,119 @@ class WorkerHooks:
         n = len(self.persistent_results)
         self.persistent_results.clear()
         return n
+
+
+class _Point:
+    """One hook point of one step. Per-request hooks read their rows from one copy of the
+    stream (one kernel for all of them, not one each) and their results are written back
+    together (one sanitising pass and one write for all), so a per-request hook costs little
+    more than its own work; a request's next hook at the same point sees the write first."""
+
+    def __init__(self, hooks: WorkerHooks, hs: torch.Tensor, res: torch.Tensor | None):
+        self.hooks, self.hs, self.res = hooks, hs, res
+        self._stream: torch.Tensor | None = None
+        self._pending: list[tuple[int, int, torch.Tensor]] = []     # start, count, rows
+        self._pending_reqs: set[int] = set()
+        self._end = 0
+
+    def run(self, calls: list) -> None:
+        self._end = max(c[3] + c[4] for c in calls)
+        groups: dict[tuple, list] = {}
+        order: list = []
+        for c in sorted(calls, key=lambda c: c[2]):              # post (False) first
+            inst, L, pre = c[0], c[1], c[2]
+            if inst.hook.batched:
+                key = (id(inst.hook), L, pre)
+                if key not in groups:
+                    groups[key] = []
+                    order.append(("batch", key))
+                groups[key].append(c)
+            else:
+                order.append(("one", c))
+        for kind, item in order:
+            if kind == "one":
+                self._one(item)
+            else:
+                self._flush()
+                self._batch(groups[item])
+        self._flush()
+
+    def _rows(self, rows) -> torch.Tensor:
+        hs, res = self.hs, self.res
+        return hs[rows] + res[rows] if res is not None else hs[rows].clone()
+
+    def _one(self, call) -> None:
+        inst, L, pre, start, count, first = call
+        if inst.failed:
+            return
+        if id(inst.errors) in self._pending_reqs:      # this request's earlier hook wrote
+            self._flush()
+        if self._stream is None:
+            self._stream = self._rows(slice(0, self._end))
+        h = self._stream[start:start + count]
+        out = self.hooks.call(inst.hook.fn, inst.ctx._at(L, pre, first, count), h, [inst], L)
+        if out is not None and self._check(out, h, [inst], L):
+            self._pending.append((start, count, out))
+            self._pending_reqs.add(id(inst.errors))
+        self.hooks._check_state(inst)
+
+    def _batch(self, calls) -> None:
+        calls = sorted((c for c in calls if not c[0].failed), key=lambda c: c[3])   # row order
+        if not calls:
+            return
+        insts = [c[0] for c in calls]
+        L, pre = calls[0][1], calls[0][2]
+        segs = [(c[3], c[4]) for c in calls]
+        for inst, (_, _, _, start, count, first) in zip(insts, calls):
+            inst.ctx._at(L, pre, first, count)
+        rows = self._index(segs)
+        h = self._rows(rows)
+        offsets, at = [], 0
+        for _, n in segs:
+            offsets.append((at, n))
+            at += n
+        ctx = BatchHookContext([i.ctx for i in insts], offsets, L, pre, self.hooks.access,
+                               self.hooks.tp_rank, self.hooks.tp_size)
+        out = self.hooks.call(insts[0].hook.fn, ctx, h, insts, L)
+        if out is not None and self._check(out, h, insts, L):
+            self._write(rows, out)
+        for inst in insts:
+            self.hooks._check_state(inst)
+
+    def _index(self, segs: list[tuple[int, int]]):
+        """The rows of `segs`: a slice when they follow one another, else an index tensor."""
+        if all(a[0] + a[1] == b[0] for a, b in zip(segs, segs[1:])):
+            return slice(segs[0][0], segs[-1][0] + segs[-1][1])
+        idx = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in segs])
+        return upload(torch.from_numpy(idx), self.hs.device)
+
+    @staticmethod
+    def _check(out, h, insts: list[HookInstance], L: int) -> bool:
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(h.shape):
+            return True
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        for inst in insts:
+            inst.fail(f"returned {got}, expected a tensor of shape {tuple(h.shape)} or None (layer {L})")
+        return False
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = sorted(self._pending, key=lambda p: p[0]), []
+        self._pending_reqs.clear()
+        rows = self._index([(s, n) for s, n, _ in pending])
+        out = pending[0][2] if len(pending) == 1 else torch.cat([o.to(self.hs.device) for _, _, o in pending])
+        self._write(rows, out)
+        self._stream = None          # stale now: the next reader copies the stream again
+
+    def _write(self, rows, out: torch.Tensor) -> None:
+        hs, res, b = self.hs, self.res, self.hooks.bound
+        # The stream must stay finite whatever a hook returns (module docstring).
+        safe = torch.nan_to_num(out.to(device=hs.device, dtype=torch.float32), nan=0.0,
+                                posinf=b, neginf=-b).clamp_(-b, b)
+        if res is None:
+            hs[rows] = safe.to(hs.dtype)
+        else:
+            # The next layer adds hs + res: zero one, the other carries the whole stream.
+            hs[rows] = 0
+            res[rows] = safe.to(res.dtype)
