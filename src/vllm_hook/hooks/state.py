@@ -41,27 +41,32 @@ def nbytes(tree: Any) -> int:
 
 
 def to_host(trees: list) -> tuple[list, Any]:
-    """`trees` with every device tensor copied to host memory: one copy per dtype (the
-    tensors of a dtype are concatenated on the device first), queued without waiting.
-    Returns (new trees, an event to wait on before reading them, or None)."""
+    """`trees` with every device tensor copied to host memory, queued without waiting: the
+    tensors of one dtype and row shape are concatenated on the device (one call, however many
+    steps saved one each) and copied as one. Returns (new trees, an event to wait on before
+    reading them, or None)."""
     dev = [t for t in tensors_of(trees) if t.device.type != "cpu"]
     if not dev:
         return trees, None
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in dev:
-        by_dtype.setdefault(t.dtype, []).append(t)
     host: dict[int, torch.Tensor] = {}
-    for dtype, ts in by_dtype.items():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts])
-        buf = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
+    for ts in _groups(dev).values():
+        flat = torch.cat([t.detach() if t.dim() else t.detach()[None] for t in ts])
+        buf = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         buf.copy_(flat, non_blocking=True)
-        at = 0
-        for t in ts:
-            host[id(t)] = buf[at:at + t.numel()].view(t.shape)
-            at += t.numel()
+        for t, part in zip(ts, buf.split([t.shape[0] if t.dim() else 1 for t in ts])):
+            host[id(t)] = part.view(t.shape)
     event = torch.cuda.Event()
     event.record()
     return _replace(trees, host), event
+
+
+def _groups(ts: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """Tensors by (dtype, shape past the first dimension): each group concatenates along
+    dimension 0 in one call."""
+    out: dict[tuple, list[torch.Tensor]] = {}
+    for t in ts:
+        out.setdefault((t.dtype, tuple(t.shape[1:]) if t.dim() else ("scalar",)), []).append(t)
+    return out
 
 
 def _replace(tree: Any, host: dict[int, torch.Tensor]) -> Any:
@@ -77,22 +82,17 @@ def _replace(tree: Any, host: dict[int, torch.Tensor]) -> Any:
 
 
 def encode(trees: list, prefix: str) -> tuple[dict[str, torch.Tensor], list]:
-    """(one flat tensor per dtype, named `{prefix}.{dtype}`; the JSON structure of `trees`,
-    each tensor as [entry, offset, shape]). A hook that saves a small tensor per step saves
-    thousands per request: packed, they cost a few entries to write, send and read."""
-    parts: dict[str, list[torch.Tensor]] = {}
-    sizes: dict[str, int] = {}
+    """(one tensor per dtype and row shape, named `{prefix}.{n}`; the JSON structure of
+    `trees`, each tensor as [entry, first row, shape]). A hook that saves a small tensor per
+    step saves thousands per request: packed, they cost a few entries to write, send, read."""
+    found: list[torch.Tensor] = []
 
     def enc(v: Any, path: str) -> Any:
         if isinstance(v, np.ndarray):
             v = torch.from_numpy(np.ascontiguousarray(v))
         if isinstance(v, torch.Tensor):
-            t = v.detach()
-            name = f"{prefix}.{str(t.dtype).removeprefix('torch.')}"
-            at = sizes.get(name, 0)
-            parts.setdefault(name, []).append(t.reshape(-1))
-            sizes[name] = at + t.numel()
-            return {"t": [name, at, list(t.shape)]}
+            found.append(v.detach())
+            return {"t": len(found) - 1}
         if isinstance(v, dict):
             bad = [k for k in v if not isinstance(k, str)]
             if bad:
@@ -111,17 +111,37 @@ def encode(trees: list, prefix: str) -> tuple[dict[str, torch.Tensor], list]:
                          "strings, booleans, None, and lists or dicts of them")
 
     structure = [enc(t, f"saved[{i}]") for i, t in enumerate(trees)]
-    tensors = {name: torch.cat([p.cpu() for p in ps]) if len(ps) > 1 else ps[0].cpu().contiguous()
-               for name, ps in parts.items()}
-    return tensors, structure
+    tensors, where = {}, {}
+    for n, ts in enumerate(_groups(found).values()):
+        name = f"{prefix}.{n}"
+        rows = [t.reshape(1, *t.shape) if not t.dim() else t for t in ts]
+        tensors[name] = torch.cat([r.cpu() for r in rows]) if len(rows) > 1 else rows[0].cpu().contiguous()
+        at = 0
+        for t, r in zip(ts, rows):
+            where[id(t)] = [name, at, list(t.shape)]
+            at += r.shape[0]
+
+    def place(v: dict) -> dict:
+        if "t" in v:
+            return {"t": where[id(found[v["t"]])]}
+        if "d" in v:
+            return {"d": {k: place(x) for k, x in v["d"].items()}}
+        if "l" in v or "u" in v:
+            key = "l" if "l" in v else "u"
+            return {key: [place(x) for x in v[key]]}
+        return v
+
+    return tensors, [place(s) for s in structure]
 
 
 def decode(structure: list, tensors: dict[str, torch.Tensor]) -> list:
     def dec(v: dict) -> Any:
         if "t" in v:
             name, at, shape = v["t"]
-            n = math.prod(shape)
-            return tensors[name][at:at + n].view(shape)
+            t = tensors[name]
+            rows = shape[0] if shape else 1
+            part = t[at:at + rows]
+            return part.reshape(shape)
         if "d" in v:
             return {k: dec(x) for k, x in v["d"].items()}
         if "l" in v:
