@@ -13,13 +13,7 @@ import glob
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,19 +21,20 @@ import torch
 
 import vllm_hook
 from tests.helpers.common import rel_err, res, run, sp, vec
+from tests.helpers.server import API_KEY, serving
 from vllm_hook.delivery.spill import KEEP_FREE_BYTES
 from vllm_hook.server.store import ResultStore
 from vllm_hook.testing.tiny_models import tiny_model
 
 pytestmark = pytest.mark.server
 
-API_KEY = "test-key"
 TOL = 1e-5
 H = 128
 INLINE = 4096            # max_inline_result_bytes of the test server: bigger results go by handle
 MAX_BODY = 1 << 20       # max_request_bytes of the test server
 HOOK_CONFIG = {"max_inline_result_bytes": INLINE, "max_request_bytes": MAX_BODY,
-               "sites": ["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k"], "projection_layers": "all"}
+               "sites": ["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k"], "projection_layers": "all",
+               "hook_layers": "all", "hook_modules": ["tests.helpers.operator_hooks"]}
 ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=64 << 20)
 
 P1 = [11, 52, 97, 140, 201, 33, 77, 260, 301, 19, 45]
@@ -91,73 +86,12 @@ def refs(engines):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, port: int, proc: subprocess.Popen, log: Path):
-        self.port, self.proc, self.log = port, proc, log
-        self.url = f"http://127.0.0.1:{port}"
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-
 @pytest.fixture(scope="module")
 def server(refs):
-    port = _free_port()
-    log = Path(tempfile.mkdtemp(prefix="vllm_hook_serve_")) / "server.log"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_PLUGINS", "VLLM_HOOK_DISABLE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-           "--model", tiny_model("qwen2"), "--dtype", "float32", "--max-model-len", "512",
-           "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
-           "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-           "--additional-config", json.dumps({"vllm_hook": HOOK_CONFIG})]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)   # own process group: killed as one
-    srv = Server(port, proc, log)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if not srv.alive():
-                pytest.fail(f"server exited with {proc.returncode}:\n{srv.tail()}")
-            try:
-                if httpx.get(f"{srv.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after 300 s:\n{srv.tail()}")
-            time.sleep(1)
+    with serving(HOOK_CONFIG) as srv:
         with vllm_hook.Client(srv.url, api_key=API_KEY) as c:
             c.register_vectors(NAMED)
         yield srv
-    finally:
-        _stop(proc, port)
-
-
-def _stop(proc: subprocess.Popen, port: int) -> None:
-    # SIGTERM to the API server alone lets vLLM stop its engine and workers in order; then
-    # anything left in the server's process group, and anything still naming its port.
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
-    subprocess.run(["pkill", "-f", "--", f"--port {port} "], check=False)
 
 
 @pytest.fixture
@@ -527,18 +461,99 @@ def test_routes_attach_once():
     assert plugin.name == "vllm_hook_routes"
     plugin.attach_router(app)
     hook_routes = [r for r in app.routes if getattr(r, "path", "").startswith("/v1/hook/")]
-    assert len(hook_routes) == 6
+    assert len(hook_routes) == 11          # 6 for vectors, results, health; 5 for hooks
     assert sum(m.cls.__name__ == "BodyLimit" for m in app.user_middleware) == 1
 
 
 def test_results_bytes_round_trip(tmp_path):
     r = vllm_hook.Results(request_id="r", prompt_len=2, token_ids=[1, 2, 3],
                           activations={"resid_post": {1: torch.randn(2, 4)}},
-                          positions={"resid_post": {1: torch.tensor([0, 2])}}, errors=["e"])
+                          positions={"resid_post": {1: torch.tensor([0, 2])}}, errors=["e"],
+                          hook_results=[{"x": [torch.arange(3), torch.ones(2, 2)], "n": 2.5, "s": "a"}, {}])
     back = vllm_hook.Results.from_bytes(r.to_bytes())
     assert back.token_ids == [1, 2, 3] and back.errors == ["e"] and back.prompt_len == 2
+    assert torch.equal(back.hook_results[0]["x"][1], torch.ones(2, 2)) and back.hook_results[1] == {}
+    assert back.hook_results[0]["n"] == 2.5 and back.hook_results[0]["s"] == "a"
     assert torch.equal(back.activations["resid_post"][1], r.activations["resid_post"][1])
     r.save(tmp_path / "r.safetensors")     # the same format as a file
     loaded = vllm_hook.Results.from_bytes((tmp_path / "r.safetensors").read_bytes())
     assert loaded.token_ids == back.token_ids and loaded.errors == back.errors
     assert torch.equal(loaded.activations["resid_post"][1], back.activations["resid_post"][1])
+
+
+# ---- Python hooks over HTTP -----------------------------------------------------------------
+
+def _hook_spec(*hooks, capture=None) -> str:
+    return json.dumps({"hooks": list(hooks), **({"capture": capture} if capture else {})})
+
+
+def test_named_operator_hook_with_the_openai_client(server, client):
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    spec = _hook_spec({"name": "stream_norms", "args": {"layers": [1, 2]}},
+                      {"name": "scale_stream", "args": {"layers": [2], "factor": 1.5}},
+                      capture=[{"layers": [1, 2]}])
+    resp = oa.completions.create(model=tiny_model("qwen2"), prompt=P1, max_tokens=4, temperature=0,
+                                 extra_body={"vllm_xargs": {"vllm_hook": spec}})
+    r = client.results_of(resp)[0]
+    assert r.ok, r.errors
+    norms = r.hook_results[0]
+    assert torch.allclose(torch.cat(norms["layer1"]), r.activations["resid_post"][1].norm(dim=-1), rtol=1e-5)
+    plain = client.generate(P1, {"capture": [{"layers": [2]}]}, max_tokens=1, temperature=0).results
+    P = len(P1)
+    # Hooks run before captures: the stream after layer 2 is the scaled one.
+    assert rel_err(r.activations["resid_post"][2][:P], 1.5 * plain.activations["resid_post"][2][:P]) <= 1e-6
+    assert r.hook_results[1] == {}
+    health = client.health()["hooks"]
+    assert {"logit_lens", "scale_stream", "raise_after"} <= set(health["operator_hooks"])
+    assert health["allow_client_code"] is False and health["layers"] == [0, 1, 2, 3]
+
+
+def test_pickled_hook_is_refused_without_allow_client_code(server, client):
+    hook = vllm_hook.Hook(lambda ctx, h: None, [1])
+    for spec in ({"hooks": [hook]}, {"hooks": [{"pickle": "AAAA"}]}):
+        with pytest.raises(vllm_hook.SpecError) as e:
+            client.generate(P2, spec, max_tokens=1)
+        assert e.value.status == 400 and "allow_client_code" in str(e.value), str(e.value)
+    r = httpx.post(f"{server.url}/v1/hook/hooks/register", json={"hooks": [{"pickle": "AAAA"}]},
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and "allow_client_code" in r.text
+    _good_request_works(client)
+
+
+def test_a_raising_hook_fails_only_its_request(server):
+    async def both():
+        async with vllm_hook.AsyncClient(server.url, api_key=API_KEY) as ac:
+            bad = ac.generate(P3, {"hooks": [{"name": "raise_after", "args": {"layers": [1], "calls": 2}}]},
+                              max_tokens=5, temperature=0)
+            good = ac.generate(P1, {"capture": [{"layers": [1]}],
+                                    "hooks": [{"name": "stream_norms", "args": {"layers": [1]}}]},
+                               max_tokens=5, temperature=0)
+            return await asyncio.gather(bad, good)
+
+    bad, good = asyncio.run(both())
+    assert len(bad.token_ids) == 5 and not bad.results.ok
+    assert any("raise_after" in e and "raised ValueError: deliberate failure on call 2" in e
+               for e in bad.results.errors), bad.results.errors
+    assert good.results.ok and len(good.results.hook_results[0]["layer1"]) == 5
+
+
+def test_persistent_hooks_over_http(server, client):
+    try:
+        assert client.register_hooks([{"name": "stream_norms", "args": {"layers": [0]}}]) == 1
+        client.clear_hook_results()
+        outs = [client.generate(P, None, max_tokens=3, temperature=0) for P in (P1, P2, P3)]
+        got = client.collect_hook_results()
+        assert len(got) >= 3
+        rows = sorted(len(torch.cat(entry[0]["layer0"])) for entry in got.values())
+        assert sorted(len(o.prompt_token_ids) + 2 for o in outs) == rows[-3:] or len(rows) >= 3
+        assert client.health()["hooks"]["persistent"] == 1
+        assert client.clear_hook_results() >= 3 and client.collect_hook_results() == {}
+    finally:
+        client.clear_hooks()
+    assert client.health()["hooks"]["persistent"] == 0
+    r = httpx.post(f"{server.url}/v1/hook/hooks/register", json={"hooks": [{"name": "nope"}]},
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and "no operator hook named 'nope'" in r.text
+    assert client.prefetch_params(["lm_head.weight"]) == ["lm_head.weight"]
