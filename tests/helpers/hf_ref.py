@@ -157,6 +157,19 @@ def attention(model, ids: list[int]):
     return q, k, {i: a[0] for i, a in enumerate(out.attentions)}
 
 
+class HFAccess:
+    """`ctx.get_parameter` and `ctx.final_norm` for hooks running on an HF model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return dict(self.model.named_parameters(remove_duplicate=False))[name]
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.model.norm(h)
+
+
 @contextmanager
 def python_hooks(model, hooks: list, prompt_len: int):
     """The same Python hooks on HF: fn(ctx, h) on the [T, H] rows of a layer's output (or,
@@ -166,7 +179,7 @@ def python_hooks(model, hooks: list, prompt_len: int):
     n = len(layers(model))
     handles, ctxs = [], []
     for hook in hooks:
-        ctx = HookContext("hf", prompt_len, None)
+        ctx = HookContext("hf", prompt_len, HFAccess(model))
         ctxs.append(ctx)
         for L in hook.layer_indices:
             L %= n

@@ -141,3 +141,24 @@ def plot_hidden_state_probe(result, path: str | os.PathLike, token_labels: Seque
     ax.set_xticklabels(cols, fontsize=7)
     ax.set_title(title or f"Probe at {result.site} layer {result.layer}", fontsize=9)
     return _save(fig, path)
+
+
+def plot_layers_by_tokens(values, path: str | os.PathLike, token_labels: Sequence[str] | None = None,
+                          title: str = "", label: str = "", cmap: str = "viridis",
+                          cell_text: Sequence[Sequence[str]] | None = None) -> str:
+    """A [layers, tokens] heatmap (the hook examples: logit lens, causal tracing, patching)."""
+    v = np.asarray(values, dtype=float)
+    fig = _figure(max(4.0, 0.55 * v.shape[1] + 2), max(2.5, 0.32 * v.shape[0] + 1.5))
+    ax = fig.add_subplot(1, 1, 1)
+    _heatmap(ax, fig, v, cmap, label)
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(v.shape[0]))
+    ax.set_xticks(range(v.shape[1]))
+    ax.set_xticklabels(list(token_labels) if token_labels is not None else range(v.shape[1]),
+                       rotation=60, ha="right", fontsize=7)
+    if cell_text is not None:
+        for i, row in enumerate(cell_text):
+            for j, txt in enumerate(row):
+                ax.text(j, i, txt, ha="center", va="center", fontsize=6, color="white")
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)

@@ -1,0 +1,95 @@
+"""The hook examples on a real engine (tiny model): their numbers equal a reimplementation of
+the same procedure on Hugging Face transformers fp32 (causal tracing, the logit lens), and
+the others run and change what they should."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import hf_ref
+from tests.helpers.common import PROMPTS, ids_of, rel_err
+from tests.test_hooks import hooks_engine
+from vllm_hook.testing.tiny_models import tiny_model
+
+pytestmark = pytest.mark.engine
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import activation_patching  # noqa: E402
+import causal_tracing  # noqa: E402
+import logit_lens  # noqa: E402
+import neuron_ablation  # noqa: E402
+import sae_readout  # noqa: E402
+
+
+@pytest.fixture
+def llm(engines):
+    return hooks_engine(engines)
+
+
+@torch.no_grad()
+def _hf_prob(hf, ids, hooks):
+    with hf_ref.python_hooks(hf, hooks, len(ids)) as ctxs:
+        hf(torch.tensor([ids]))
+    return float(ctxs[-1].saved["p"])
+
+
+@torch.no_grad()
+def test_causal_tracing_equals_hf(llm):
+    hf = hf_ref.load(tiny_model("qwen2"))
+    ids = ids_of(llm, "Paris is the capital of France")
+    subject = [0, 1]
+    answer = 17
+    noise = causal_tracing.noise_for(len(subject), 128, 3.0)
+    got = causal_tracing.trace(llm, ids, subject, answer, noise)
+    # The same procedure on HF: its own clean states, the same hook functions.
+    n = 4
+    read = causal_tracing.answer_prob_hook(n, answer)
+    corrupt = causal_tracing.corrupt_hook(subject, noise)
+    clean_states, _ = hf_ref.activations(hf, ids)
+    assert abs(_hf_prob(hf, ids, [read]) - got["clean"]) <= 1e-4 * got["clean"]
+    assert abs(_hf_prob(hf, ids, [corrupt, read]) - got["corrupted"]) <= 1e-4 * got["corrupted"]
+    ref = torch.zeros(n, len(ids))
+    for L in range(n):
+        for t in range(len(ids)):
+            ref[L, t] = _hf_prob(hf, ids, [corrupt, causal_tracing.restore_hook(L, t, clean_states["resid_post"][L][t]),
+                                           read])
+    assert rel_err(got["restored"], ref) <= 1e-4, (got["restored"], ref)
+    assert got["clean"] != got["corrupted"]
+    # Restoring every token at the last layer gives back the clean run at the last token.
+    assert abs(float(got["restored"][n - 1, len(ids) - 1]) - got["clean"]) <= 1e-4 * got["clean"]
+
+
+@torch.no_grad()
+def test_logit_lens_equals_hf(llm):
+    hf = hf_ref.load(tiny_model("qwen2"))
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    lens, outs = logit_lens.run(llm, prompts, k=3, max_tokens=3)
+    for lz, o in zip(lens, outs):
+        seq = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)[:-1]
+        ref, _ = hf_ref.activations(hf, seq)
+        for L in range(4):
+            probs = hf.lm_head(hf.model.norm(ref["resid_post"][L])).softmax(-1)
+            top = probs.topk(3)
+            assert torch.equal(lz["ids"][L, :len(seq)], top.indices)
+            assert rel_err(lz["p"][L, :len(seq)], top.values) <= 1e-4
+
+
+def test_activation_patching_and_neuron_ablation_and_sae(llm):
+    s, t = ids_of(llm, "Paris is the capital of"), ids_of(llm, "Berlin is the capital of")
+    if len(s) != len(t):
+        pytest.skip("the tiny tokenizer splits the two names differently")
+    res = activation_patching.patch(llm, s, t, answer=17)
+    # Patching the last layer's last token makes the target read the source's answer probability.
+    assert abs(float(res["patched"][3, -1]) - res["source"]) <= 1e-4 * res["source"]
+    ab = neuron_ablation.ablate(llm, [ids_of(llm, p) for p in neuron_ablation.PROMPTS], 1, list(range(16)))
+    assert all(r["kl"] > 0 for r in ab)
+    assert all(torch.allclose(r["plain"].exp().sum(), torch.tensor(1.0), atol=1e-4) for r in ab)
+    sae = sae_readout.random_sae(128, 512)
+    (r,) = sae_readout.readout(llm, [ids_of(llm, PROMPTS[1])], 2, sae, k=4)
+    f = torch.relu((r["stream"] - sae["b_dec"]) @ sae["W_enc"] + sae["b_enc"]).topk(4)
+    assert torch.equal(r["features"][:len(f.indices)], f.indices)
+    assert rel_err(r["activations"][:len(f.values)], f.values) <= 1e-5
