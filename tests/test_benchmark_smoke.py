@@ -37,3 +37,32 @@ def test_benchmark_suite_smoke(tmp_path, engines):
                             capture_output=True, text=True, timeout=120)
     assert pooled.returncode == 0, pooled.stderr[-3000:]
     assert "| mixed_thirds | 2 | 1 |" in pooled.stdout
+
+
+def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
+    """benchmarks/throughput.py (issue 17) and hooks_gpu.py (issue 16) on the tiny model."""
+    engines.close()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    for script, extra in (("throughput.py", ["--workloads", "unused", "steer_add_all_layers", "mixed_thirds"]),
+                          ("hooks_gpu.py", [])):
+        out = tmp_path / script
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
+                              env=env, capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert (out / "report.md").read_text().count("|") > 20
+    tp = json.loads((tmp_path / "throughput.py" / "results.json").read_text())
+    assert {c["workload"] for c in tp["cases"]} >= {"unused", "steer_add_all_layers", "capture_all_tokens_all_layers"}
+    assert all(c["host_us_per_request"]["admission (parse, resolve)"] > 0 for c in tp["cases"] if c["workload"] != "unused")
+    hk = json.loads((tmp_path / "hooks_gpu.py" / "results.json").read_text())
+    assert hk["parity"]["modifying_hook_zeroed_dims_exactly"] is True
+
+
+def test_host_cost_microbenchmark_smoke(tmp_path):
+    """Admission and delivery paths for 256 requests, no engine (issue 17)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_cost.py"), "--requests", "256",
+                           "--out", str(tmp_path / "host.json")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "host.json").read_text())
+    for row in r.values():
+        # The resolution cache: a batch sharing one spec resolves it once.
+        assert row["frontend_admit_cached_us"] < row["frontend_admit_us"]

@@ -135,3 +135,42 @@ def test_named_vector_resolves_to_digest():
 
 def test_empty_spec():
     assert parse_spec({}).is_empty
+
+
+def test_resolution_cache_one_resolve_per_distinct_spec():
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend.admission import _admit
+    from vllm_hook.frontend.state import STATE_ATTR, FrontendState
+    from vllm_hook.model.layout import PointTable
+
+    st = FrontendState(cfg=CFG, info=INFO, points=PointTable.for_config(4, CFG), max_model_len=64)
+    st.names["v"] = ("d" * 32, 2.0)
+    ip = SimpleNamespace()
+    ip.__dict__[STATE_ATTR] = st
+
+    def req(spec, n=10):
+        return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"vllm_hook": spec},
+                                                               skip_reading_prefix_cache=False),
+                               prompt_token_ids=list(range(n)), cache_salt=None)
+
+    spec = {"steer": [{"op": "add", "layer": 1, "vector": "v", "scale": 2.0, "tokens": [-1]}]}
+    a, b, c = req(dict(spec)), req(dict(spec)), req(dict(spec), n=12)
+    for i, r in enumerate((a, b, c)):
+        _admit(ip, str(i), r)
+    wa, wb, wc = (r.sampling_params.extra_args["vllm_hook"] for r in (a, b, c))
+    assert st.resolved.hits == 1                            # b; c has another prompt length
+    assert wa["key"] != wb["key"] and {k: v for k, v in wa.items() if k != "key"} == \
+        {k: v for k, v in wb.items() if k != "key"}
+    assert wc["steer"][0]["pos"] == [11] and wa["steer"][0]["pos"] == [9]
+    assert a.cache_salt == b.cache_salt                     # same steering: the same prefix-cache salt
+    st.names["v"] = ("e" * 32, 2.0)
+    st.resolved.clear()                                     # what (re)registering a vector does
+    d = req(dict(spec))
+    _admit(ip, "3", d)
+    assert d.sampling_params.extra_args["vllm_hook"]["steer"][0]["digest"] == "e" * 32
+    # Specs that hold tensors are resolved every time (no cheap exact key).
+    import torch
+
+    from vllm_hook.frontend.cache import cache_key
+    assert cache_key({"steer": [{"op": "add", "layer": 0, "vector": torch.ones(8)}]}) == (None, [])

@@ -6,11 +6,13 @@ OpenAI server answers HTTP 400.
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
 from ..spec.resolve import resolve
 from ..spec.schema import SPEC_KEY, parse_spec
+from .cache import cache_key
 from .state import allow_pickles, maybe_state, state_of
 
 
@@ -27,6 +29,15 @@ def _hooked(request: Any, sp: Any) -> None:
 
 def admit(input_processor: Any, request_id: str, request: Any) -> None:
     """Resolve the spec carried by `request` (an EngineCoreRequest) in place."""
+    t0 = time.perf_counter()
+    _admit(input_processor, request_id, request)
+    st = maybe_state(input_processor)
+    if st is not None:
+        st.timing["admitted"] += 1
+        st.timing["admit_s"] += time.perf_counter() - t0
+
+
+def _admit(input_processor: Any, request_id: str, request: Any) -> None:
     sp = getattr(request, "sampling_params", None)
     extra = getattr(sp, "extra_args", None)
     if not extra or SPEC_KEY not in extra:
@@ -34,9 +45,15 @@ def admit(input_processor: Any, request_id: str, request: Any) -> None:
         if st is not None and st.persistent_hooks and sp is not None:
             _hooked(request, sp)
         return
-    spec = parse_spec(extra[SPEC_KEY])
-    rest = {k: v for k, v in extra.items() if k != SPEC_KEY}
     st = state_of(input_processor)
+    raw = extra[SPEC_KEY]
+    cache, keep = cache_key(raw)
+    spec = st.resolved.spec(cache) if cache is not None else None
+    if spec is None:
+        spec = parse_spec(raw)
+        if cache is not None:
+            st.resolved.put_spec(cache, spec, keep)
+    rest = {k: v for k, v in extra.items() if k != SPEC_KEY}
     if spec.is_empty:
         sp.extra_args = rest or None
         if st.persistent_hooks:
@@ -44,8 +61,12 @@ def admit(input_processor: Any, request_id: str, request: Any) -> None:
         return
     ids = request.prompt_token_ids
     prompt_len = len(ids) if ids is not None else int(request.prompt_embeds.shape[0])
-    res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len,
-                  allow_pickles=allow_pickles(st))
+    res = st.resolved.get(cache, prompt_len) if cache is not None else None
+    if res is None:
+        res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len,
+                      allow_pickles=allow_pickles(st))
+        if cache is not None:
+            st.resolved.put(cache, prompt_len, res, keep)
     sp.extra_args = {**rest, SPEC_KEY: res.wire}
     if res.steer_digest:
         # A steered request must never reuse KV computed under other steering (or none).

@@ -98,6 +98,10 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
     except Exception as e:   # generation succeeded: every output keeps its tokens
         log.exception("vllm_hook: fetching results from the workers failed")
         fetched, failure = {}, f"results could not be fetched from the workers: {e!r}"
+        try:                 # and the workers need not keep them until their TTL
+            rpc(RPC, args=("discard", keys))
+        except Exception:
+            log.exception("vllm_hook: discarding the unfetched results failed too")
     else:
         failure = None
     st.timing["fetch_rpc_s"] += time.perf_counter() - t

@@ -14,6 +14,7 @@ from typing import Any
 from ..config import HookConfig
 from ..model.layout import PointTable
 from ..spec.resolve import ModelInfo, Resolved
+from .cache import ResolvedCache
 
 STATE_ATTR = "_vllm_hook_state"
 PENDING_TTL_S = 24 * 3600.0
@@ -34,9 +35,10 @@ class FrontendState:
     # Requests finished here since the last collect: their persistent-hook results must be
     # final on the workers, which learn of a finish only at their next step.
     finished: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    resolved: ResolvedCache = field(default_factory=ResolvedCache)   # one resolve per distinct spec
     # Seconds spent delivering results, summed: where a large capture's time goes.
     timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("fetches", "fetch_rpc_s", "read_s", "build_s"), 0.0))
+        ("admitted", "admit_s", "fetches", "fetch_rpc_s", "read_s", "build_s"), 0.0))
 
     def add_pending(self, request_id: str, res: Resolved) -> None:
         now = time.monotonic()

@@ -36,6 +36,7 @@ def register(st: FrontendState, vectors: Mapping[str, Any], rpc: Callable[..., l
     payload, digests = prepare(st, vectors)
     rpc(RPC, args=("register_vectors", payload))
     st.names.update(digests)
+    st.resolved.clear()           # specs naming them resolve again
     return sorted(st.names)
 
 
@@ -43,4 +44,5 @@ def delete(st: FrontendState, names: list[str], rpc: Callable[..., list]) -> lis
     rpc(RPC, args=("delete_vectors", list(names)))
     for n in names:
         st.names.pop(n, None)
+    st.resolved.clear()
     return sorted(st.names)

@@ -45,6 +45,14 @@ class Hook:
             raise ValueError("Hook.layer_indices must be a non-empty list of integer layer indices")
         object.__setattr__(self, "layer_indices", tuple(layers))
 
+    def __deepcopy__(self, memo) -> "Hook":
+        # vLLM deep-copies every request's SamplingParams: one Hook object shared by a batch
+        # stays one object (pickled once, one batched call), as the user made it.
+        return self
+
+    def __copy__(self) -> "Hook":
+        return self
+
     def pickled(self) -> bytes:
         import cloudpickle
 

@@ -128,6 +128,7 @@ async def register_vectors(request: Request):
         return _fail(str(e), status, err_type)
     await _rpc(engine, "register_vectors", payload)
     sv.frontend.names.update(digests)
+    sv.frontend.resolved.clear()
     return {"vectors": sorted(sv.frontend.names)}
 
 
@@ -140,6 +141,7 @@ async def delete_vector(name: str, request: Request):
         return _fail(f"no registered vector named {name!r}", 404, "NotFoundError")
     await _rpc(engine, "delete_vectors", [name])
     sv.frontend.names.pop(name, None)
+    sv.frontend.resolved.clear()
     return {"deleted": name, "vectors": sorted(sv.frontend.names)}
 
 

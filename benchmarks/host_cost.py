@@ -1,0 +1,124 @@
+"""The plugin's host cost per request at admission and delivery, on the CPU (issue 17).
+
+    python benchmarks/host_cost.py [--requests 256] [--out FILE]
+
+No engine: the frontend's admission (parse and resolve, the resolution cache on and off), the
+worker's admission and finish (`HookRuntime.on_events`) and the delivery of a small capture
+(the worker's fetch into safetensors, the frontend's `Results` build), for a batch of
+`--requests` requests on a 28-layer, 1536-wide model. Prints microseconds per request.
+A smoke test runs it in CI; the figures of record are the GPU's (benchmarks/throughput.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from vllm_hook.adapters.base import NewRequest, SchedulerEvents  # noqa: E402
+from vllm_hook.config import HookConfig  # noqa: E402
+from vllm_hook.frontend.admission import _admit  # noqa: E402
+from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
+from vllm_hook.model.buffers import BufferShape, HookBuffers  # noqa: E402
+from vllm_hook.model.layout import PointTable  # noqa: E402
+from vllm_hook.results import build  # noqa: E402
+from vllm_hook.spec import ModelInfo  # noqa: E402
+from vllm_hook.worker.runtime import HookRuntime  # noqa: E402
+
+L, H, P = 28, 1536, 128
+SPECS = {
+    "steer_add_all_layers": {"steer": [{"op": "add", "layer": x, "vector": "bench_a", "scale": 0.05} for x in range(L)]},
+    "capture_last_prompt_4_layers": {"capture": [{"layers": [4, 9, 16, 26], "tokens": "last_prompt"}]},
+}
+
+
+def frontend(cfg: HookConfig) -> SimpleNamespace:
+    info = ModelInfo(num_layers=L, hidden_size=H, num_heads=12, num_kv_heads=2, head_dim=128, dtype="bfloat16")
+    st = FrontendState(cfg=cfg, info=info, points=PointTable.for_config(L, cfg), max_model_len=4096)
+    st.names["bench_a"] = ("d" * 32, 39.2)
+    ip = SimpleNamespace()
+    ip.__dict__[STATE_ATTR] = st
+    return ip
+
+
+def admit_batch(ip, spec: dict, n: int, cache: bool) -> tuple[float, list]:
+    st = ip.__dict__[STATE_ATTR]
+    st.resolved.clear()
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"vllm_hook": json.loads(json.dumps(spec))},
+                                                            skip_reading_prefix_cache=False),
+                            prompt_token_ids=list(range(P)), cache_salt=None) for _ in range(n)]
+    t = time.perf_counter()
+    for i, r in enumerate(reqs):
+        if not cache:
+            st.resolved.clear()
+        _admit(ip, str(i), r)
+    return (time.perf_counter() - t) / n, reqs
+
+
+def worker(cfg: HookConfig) -> HookRuntime:
+    points = PointTable.for_config(L, cfg)
+    shape = BufferShape.for_engine(num_layers=L, hidden=H, max_num_batched_tokens=4096, max_num_seqs=256,
+                                   cfg=cfg, points=points)
+    rt = HookRuntime(HookBuffers(shape, torch.bfloat16, torch.device("cpu")), points, cfg)
+    rt.register_vectors({"bench_a": np.random.default_rng(0).standard_normal(H).astype(np.float32).tobytes()})
+    return rt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    n = args.requests
+    cfg = HookConfig(capture_pool_rows=65536)
+    ip = frontend(cfg)
+    out = {}
+    for name, spec in SPECS.items():
+        cold, _ = admit_batch(ip, spec, n, cache=False)
+        warm, reqs = admit_batch(ip, spec, n, cache=True)
+        rt = worker(cfg)
+        new = tuple(NewRequest(f"{i}-abcdef12", r.sampling_params.extra_args["vllm_hook"], P) for i, r in enumerate(reqs))
+        t = time.perf_counter()
+        rt.on_events(SchedulerEvents(new=new))
+        t_admit = (time.perf_counter() - t) / n
+        stored = 0
+        if name.startswith("capture"):                      # one row per point, as a last-prompt capture
+            for req in rt.requests.values():
+                for c in req.routes.capture:
+                    req.store.add((c.point,), np.array([P - 1]), torch.randn(1, H, dtype=torch.bfloat16), False)
+                    stored += 1
+        t = time.perf_counter()
+        rt.on_events(SchedulerEvents(finished=frozenset(rt.requests)))
+        t_finish = (time.perf_counter() - t) / n
+        keys = [r.sampling_params.extra_args["vllm_hook"]["key"] for r in reqs]
+        t = time.perf_counter()
+        fetched = rt.fetch(keys)
+        t_fetch = (time.perf_counter() - t) / n
+        st = ip.__dict__[STATE_ATTR]
+        t = time.perf_counter()
+        for r, k in zip(reqs, keys):
+            res = st.pending[str(reqs.index(r))][1] if False else None   # noqa: F841 (pending is per id)
+            for e in fetched[k]:
+                build(e["blob"], [{"site": "resid_post", "layer": x, "sel": "last_prompt", "pos": []}
+                                  for x in (4, 9, 16, 26)] if stored else [], st.points,
+                      request_id="r", prompt_token_ids=list(range(P)), output_token_ids=[1])
+        t_build = (time.perf_counter() - t) / n
+        out[name] = {"frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
+                     "worker_admit_us": 1e6 * t_admit, "worker_finish_us": 1e6 * t_finish,
+                     "worker_fetch_us": 1e6 * t_fetch, "frontend_build_us": 1e6 * t_build}
+        print(f"{name:30s} {n} requests, µs per request: " + ", ".join(f"{k} {v:.0f}" for k, v in out[name].items()),
+              flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""End-to-end throughput at the batch sizes users run (issue 17): native and vllm-hook, one run.
+
+    source scripts/gpu_env.sh && python3 benchmarks/throughput.py --out $OUT/tp        # H200
+    python benchmarks/throughput.py --smoke --out /tmp/tp                              # CPU, tiny
+
+Timed from `llm.generate` to every output's `vllm_hook.results()` in the user's hands: 64 and
+256 requests, prefill only (1 generated token) and 128 generated, and 32 x 512-token prompts
+captured at every layer and token. Each rep times native (its own process), the plugin engine
+without specs and the plugin engine with the workload's specs, the plugin pair in alternating
+order (the in-engine ratio: hooked over unhooked on one engine). Reports medians with 95 %
+bootstrap intervals and the plugin's host time per request by stage, from its counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from pool import median_ci  # noqa: E402
+from run import _versions, start, workloads  # noqa: E402
+
+TARGETS = {("steer_add_all_layers", False): 1.03, ("capture_last_prompt_4_layers", False): 1.03,
+           ("mixed_thirds", False): 1.05, ("prefill", True): 1.10, ("capture_all_tokens_all_layers", False): 1.5}
+STAGES = {  # counter (frontend or worker timing) -> stage name
+    "frontend.admit_s": "admission (parse, resolve)", "worker.events_s": "worker admit/finish",
+    "worker.step_host_s": "routing (per step)", "worker.write_s": "worker write",
+    "frontend.fetch_rpc_s": "fetch RPC (incl. worker write)", "frontend.read_s": "frontend read",
+    "frontend.build_s": "Results build"}
+
+
+def timed(w, n, plen, gen, specs, seed):
+    r = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": gen, "specs": specs, "reps": 1,
+                "seed0": seed}, timeout=1800)
+    return r["times"][0]
+
+
+def counters(w) -> dict:
+    s = w.call({"op": "stats"})["stats"]
+    out = {f"worker.{k}": v for k, v in s.get("timing", {}).items()}
+    out.update({f"frontend.{k}": v for k, v in s.get("frontend", {}).items()})
+    return out
+
+
+def run_case(native, plugin, name, spec_of, n, plen, gen, reps) -> dict:
+    specs = [spec_of(i) for i in range(n)]
+    rows = []
+    before = counters(plugin)
+    for rep in range(reps):
+        tn = timed(native, n, plen, gen, None, rep)
+        if rep % 2:
+            tu = timed(plugin, n, plen, gen, None, rep)
+            th = timed(plugin, n, plen, gen, specs, rep)
+        else:
+            th = timed(plugin, n, plen, gen, specs, rep)
+            tu = timed(plugin, n, plen, gen, None, rep)
+        rows.append({"native_s": tn, "unhooked_s": tu, "hooked_s": th})
+    after = counters(plugin)
+    hooked_requests = n * reps
+    stages = {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / hooked_requests for k, label in STAGES.items()}
+    res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows, "host_us_per_request": stages}
+    for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s")):
+        res[est] = median_ci([r[num] / r[den] for r in rows])
+    res["tokens_per_s_native"] = n * gen / min(r["native_s"] for r in rows)
+    print(f"  {name:32s} n={n:<4d} {plen}+{gen}: in-engine {res['in_engine'][0]:.3f} "
+          f"[{res['in_engine'][1]:.3f}, {res['in_engine'][2]:.3f}]  vs native {res['vs_native'][0]:.3f}  "
+          f"host/request " + ", ".join(f"{k.split(' ')[0]} {v:.0f}us" for k, v in stages.items() if v), flush=True)
+    return res
+
+
+def report(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
+             f"wall {m.get('wall_s', 0):.0f} s. Ratios: median [95 % bootstrap interval] over reps.", "",
+             "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | target |",
+             "|---|---|---|---|---|---|"]
+    for r in result.get("cases", []):
+        key = ("prefill", True) if r["gen"] == 1 and r["workload"] != "unused" else (r["workload"], False)
+        t = TARGETS.get(key)
+        ie = r["in_engine"]
+        verdict = "" if t is None else (("met" if ie[2] <= t else "met by the median" if ie[0] <= t else "NOT met")
+                                        + f" (<= {t})")
+        lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
+                     f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {verdict} |")
+    lines += ["", "Plugin host time per hooked request by stage (µs, from its counters):", "",
+              "| workload | requests | gen | " + " | ".join(STAGES.values()) + " |",
+              "|---|---|---|" + "---|" * len(STAGES)]
+    for r in result.get("cases", []):
+        lines.append(f"| {r['workload']} | {r['n']} | {r['gen']} | " +
+                     " | ".join(f"{r['host_us_per_request'][s]:.0f}" for s in STAGES.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--shape", default="qwen2-1.5b")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", nargs="+", default=["64x128+1", "64x128+128", "256x128+1", "256x128+128"],
+                    help="NxPROMPT+GEN")
+    ap.add_argument("--workloads", nargs="+", default=["unused", "steer_add_all_layers", "steer_add_1_layer",
+                                                        "capture_last_prompt_4_layers", "capture_all_tokens_4_layers",
+                                                        "mixed_thirds"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gpu-mem", type=float, default=0.35)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        from vllm_hook.testing.tiny_models import tiny_model
+
+        model = tiny_model("qwen2")
+        base = dict(dtype="float32", max_model_len=1024, max_num_seqs=256, kv_cache_memory_bytes=256 << 20,
+                    enforce_eager=True, disable_log_stats=False)
+        args.batches, args.reps, big = ["8x16+1", "8x16+4"], 2, (4, 64)
+    else:
+        from make_model import build
+
+        model = args.model or build(args.shape, "/tmp/vh_models")
+        base = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=256, skip_tokenizer_init=True,
+                    gpu_memory_utilization=args.gpu_mem, seed=0, disable_log_stats=False)
+        big = (32, 512)
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    L = cfg["num_hidden_layers"]
+    wl = workloads(L)
+    meta = {"model": model, "shape": {k: cfg.get(k) for k in ("num_hidden_layers", "hidden_size")},
+            "argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S"), **_versions()}
+    print(json.dumps(meta), flush=True)
+    result = {"meta": meta, "startup": {}, "cases": []}
+    t0 = time.time()
+
+    def save():
+        result["meta"]["wall_s"] = time.time() - t0
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+        (out / "report.md").write_text(report(result))
+
+    engines = {}
+    try:
+        for name, native, extra in (("native", True, {}),
+                                    ("plugin", False, {"additional_config": {"vllm_hook": {"capture_pool_rows": 1 << 17}}})):
+            w, info = start(name, model, {**base, **extra}, out, native=native)
+            engines[name] = w
+            result["startup"][name] = {k: v for k, v in info.items() if k != "stats"}
+        engines["plugin"].call({"op": "register_bench_vectors", "hidden": cfg["hidden_size"]})
+        for b in args.batches:
+            n, rest = b.split("x")
+            plen, gen = rest.split("+")
+            for name in args.workloads:
+                result["cases"].append(run_case(engines["native"], engines["plugin"], name, wl[name],
+                                                int(n), int(plen), int(gen), args.reps))
+                save()
+        n, plen = big
+        result["cases"].append(run_case(engines["native"], engines["plugin"], "capture_all_tokens_all_layers",
+                                        wl["capture_all_tokens_all_layers"], n, plen, 1, args.reps))
+    finally:
+        for w in engines.values():
+            w.close()
+        save()
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
