@@ -90,3 +90,24 @@ def test_unhooked_requests_match_plugin_disabled(llm):
     plain = json.loads(line[-1][7:])
     assert plain["patched"] is False and plain["has_results"] == [False] * 4
     assert plain["tokens"] == [list(o.outputs[0].token_ids) for o in hooked[:4]]
+
+
+def test_requests_steering_alike_share_table_rows(llm):
+    """A batch with one steering spec admits its ops once (issue 17: per-request cost)."""
+    eng = llm.llm_engine
+    ops = [{"op": "add", "layer": L, "vector": vec(60 + L).tolist(), "scale": 2.0} for L in range(4)]
+    ids = ids_of(llm, PROMPTS[3])
+    for n in range(6):
+        eng.add_request(f"alike-{n}", {"prompt_token_ids": ids}, sp({"steer": ops}, max_tokens=4))
+    eng.add_request("other", {"prompt_token_ids": ids}, sp({"steer": ops[:1]}, max_tokens=4))
+    eng.step()
+    s = vllm_hook.stats(llm)
+    assert (s["ops_in_use"], s["vectors_in_use"]) == (4 + 1, 4), s
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    alike = {tuple(done[f"alike-{n}"].outputs[0].token_ids) for n in range(6)}
+    assert len(alike) == 1
+    run(llm, [ids], [sp(None, max_tokens=1)])
+    s = vllm_hook.stats(llm)
+    assert (s["ops_in_use"], s["vectors_in_use"]) == (0, 0), s

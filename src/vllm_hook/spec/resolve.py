@@ -291,6 +291,8 @@ def resolve(
 
     key = uuid.uuid4().hex
     wire = {"v": WIRE_VERSION, "key": key, "P": prompt_len, "cap": wire_cap, "steer": wire_steer}
+    if steer_digest:
+        wire["sd"] = steer_digest      # workers share the table rows of equal steering
     if wire_hooks:
         wire["hooks"] = wire_hooks
     return Resolved(wire=wire, key=key, prompt_len=prompt_len,

@@ -51,6 +51,17 @@ class HookRequest:
     blocks: dict[int, list[int]] = field(default_factory=dict)          # kv group -> block ids
     hooks: RequestHooks | None = None
     hook_results: tuple[list, Any] | None = None                        # (saved trees, event)
+    steer_share: str | None = None          # its steering rows are those of this shared entry
+
+
+@dataclass(eq=False)
+class SharedSteering:
+    """Table rows and routes of one distinct steering (by the spec's steer digest), shared by
+    every request that steers the same way: admitted once, released with the last of them."""
+    routes: tuple
+    vec_rows: list[int]
+    op_rows: list[int]
+    refs: int = 1
 
 
 def _note(errors: list[str], msg: str) -> None:
@@ -111,6 +122,7 @@ class HookRuntime:
         self.done: dict[str, HookRequest] = {}         # finished, results waiting for a fetch
         self.named: dict[str, np.ndarray] = {}
         self.hooks = hooks                             # Python hooks (None: no hook layers)
+        self.shared_steering: dict[str, SharedSteering] = {}
         self.hooked: dict[str, HookRequest] = {}       # admitted requests with hooks
         self._steer_dirty = 0
         self._attn_reqs = 0
@@ -191,7 +203,7 @@ class HookRuntime:
         self.requests[req_id] = req
         check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points)
         try:
-            steer = self._admit_steering(req, wire.get("steer", ()))
+            steer = self._steering_of(req, wire.get("steer", ()), wire.get("sd"))
         except (TableFull, KeyError) as e:
             msg = str(e) if isinstance(e, TableFull) else f"vector {e} is not registered on the worker"
             req.errors.append(f"steering not applied: {msg}")
@@ -239,6 +251,22 @@ class HookRuntime:
             self.hooked[req.req_id] = req
             req.horizon = float("inf")          # hooks see every row, to the end
 
+    def _steering_of(self, req: HookRequest, ops, digest: str | None) -> tuple[SteerRoute, ...]:
+        """The request's steering routes: those of a request steering the same way, if one
+        is admitted (a batch with one spec admits its 28 ops once), else admitted now."""
+        if not ops:
+            return ()
+        shared = self.shared_steering.get(digest) if digest else None
+        if shared is None:
+            routes = self._admit_steering(req, ops)
+            if not digest:
+                return routes
+            shared = self.shared_steering[digest] = SharedSteering(routes, req.vec_rows, req.op_rows, 0)
+            req.vec_rows, req.op_rows = [], []
+        shared.refs += 1
+        req.steer_share = digest
+        return shared.routes
+
     def _admit_steering(self, req: HookRequest, ops) -> tuple[SteerRoute, ...]:
         shape = self.bufs.shape
         K = shape.ops_per_layer
@@ -268,6 +296,16 @@ class HookRuntime:
                      for c, r, v, (s, p) in zip(cols, req.op_rows, vec_rows, sels))
 
     def _release_tables(self, req: HookRequest) -> None:
+        if req.steer_share is not None:
+            digest, req.steer_share = req.steer_share, None
+            shared = self.shared_steering[digest]
+            shared.refs -= 1
+            if shared.refs == 0:
+                del self.shared_steering[digest]
+                for row in shared.vec_rows:
+                    self.tables.release_vector(row)
+                if shared.op_rows:
+                    self.tables.release_ops(shared.op_rows)
         for row in req.vec_rows:
             self.tables.release_vector(row)
         req.vec_rows = []
