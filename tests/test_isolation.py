@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+import vllm_hook
+
 from tests.conftest import DEFAULTS
 from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
 
