@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from vllm_hook.adapters.base import NewRequest, SchedulerEvents  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
 from vllm_hook.frontend.admission import _admit  # noqa: E402
+from vllm_hook.frontend.delivery import Opened, merge_ranks  # noqa: E402
 from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
 from vllm_hook.model.buffers import BufferShape, HookBuffers  # noqa: E402
 from vllm_hook.model.layout import PointTable  # noqa: E402
@@ -100,16 +101,16 @@ def main() -> None:
         t_finish = (time.perf_counter() - t) / n
         keys = [r.sampling_params.extra_args["vllm_hook"]["key"] for r in reqs]
         t = time.perf_counter()
-        fetched = rt.fetch(keys)
+        fetched = merge_ranks([rt.fetch(keys)])
         t_fetch = (time.perf_counter() - t) / n
         st = ip.__dict__[STATE_ATTR]
+        items = [{"site": "resid_post", "layer": x, "sel": "last_prompt", "pos": []} for x in (4, 9, 16, 26)]
         t = time.perf_counter()
-        for r, k in zip(reqs, keys):
-            res = st.pending[str(reqs.index(r))][1] if False else None   # noqa: F841 (pending is per id)
-            for e in fetched[k]:
-                build(e["blob"], [{"site": "resid_post", "layer": x, "sel": "last_prompt", "pos": []}
-                                  for x in (4, 9, 16, 26)] if stored else [], st.points,
-                      request_id="r", prompt_token_ids=list(range(P)), output_token_ids=[1])
+        opened = Opened()
+        for k in keys:
+            parts = [opened.part(e) for e in fetched[k]]
+            build(parts, items if stored else [], st.points, request_id="r",
+                  prompt_token_ids=list(range(P)), output_token_ids=[1])
         t_build = (time.perf_counter() - t) / n
         out[name] = {"frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
                      "worker_admit_us": 1e6 * t_admit, "worker_finish_us": 1e6 * t_finish,

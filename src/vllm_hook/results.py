@@ -125,10 +125,10 @@ class Results:
         return out
 
 
-def _merge(blobs: list[bytes]) -> tuple[dict, dict, list[str]]:
-    """Per-rank worker blobs -> {point: (positions, rows)} for rank 0's residual points, the
-    raw per-rank pieces of the head-sharded points, and the errors of all ranks."""
-    ranks = sorted((points_from_bytes(b) for b in blobs), key=lambda x: x[1].get("rank", 0))
+def _merge(parts: list[tuple]) -> tuple[dict, dict, list[str]]:
+    """Per-rank (points, metadata) -> {point: (positions, rows)} for rank 0's residual points,
+    the raw per-rank pieces of the head-sharded points, and the errors of all ranks."""
+    ranks = sorted(((p, m) for p, m, _ in parts), key=lambda x: x[1].get("rank", 0))
     # Every rank runs the same hooks and steering: the same failure is reported once.
     errors = list(dict.fromkeys(e for _, m in ranks for e in m.get("errors", [])))
     return ranks[0][0] if ranks else {}, ranks, errors
@@ -171,6 +171,15 @@ def _hook_results(ranks, n: int, errors: list[str]) -> list[dict]:
     return [dict(g) if isinstance(g, dict) else {} for g in got] + [{}] * (n - len(got))
 
 
+def _parsed(blob) -> tuple:
+    """(points, metadata, whether the frontend owns the memory) of one request's part: a
+    pre-parsed part (`frontend.delivery.Opened`), or its bytes / the tensor a file was read into."""
+    if isinstance(blob, tuple):
+        return blob
+    pts, meta = points_from_bytes(blob)
+    return pts, meta, isinstance(blob, torch.Tensor)
+
+
 def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: PointTable, *,
           request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], index: int = 0,
           model: str = "", extra_errors: list[str] | None = None, head_size: int = 0,
@@ -181,7 +190,8 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
     spilled file was read into) are used as they are; everything else is copied."""
     if isinstance(blobs, (bytes, bytearray, torch.Tensor)):
         blobs = [blobs]
-    pts, ranks, errors = _merge(list(blobs or []))
+    parts = [_parsed(b) for b in blobs or []]
+    pts, ranks, errors = _merge(parts)
     P = len(prompt_token_ids)
     limit = P + max(len(output_token_ids), 1) - 1
     res = Results(request_id=request_id, prompt_len=P, index=index, model=model,
@@ -191,7 +201,7 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
         res.hook_results = _hook_results(ranks, hooks, res.errors)
     groups: dict[tuple[str, int], list[tuple[str, list[int]]]] = {}
     copies: list[tuple[str, int, torch.Tensor]] = []
-    owned, used = bool(blobs) and all(isinstance(b, torch.Tensor) for b in blobs), set()
+    owned, used = bool(parts) and all(o for _, _, o in parts), set()
     wanted_heads: dict[tuple[str, int], set[int]] = {}
     for it in items:
         groups.setdefault((it["site"], it["layer"]), []).append((it["sel"], it["pos"]))

@@ -93,6 +93,42 @@ class RequestStore:
         return {"blob": self.to_bytes(meta, extra)}
 
 
+PACK_BELOW = 64 << 10      # tensors smaller than this are concatenated across a fetch's requests
+
+
+def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict | None) -> dict[str, Any]:
+    """Several requests' results as one safetensors payload: one file (or one blob) per fetch,
+    not per request. Small tensors of the same name, dtype and row shape (a last-token capture
+    of 4 layers is 8 of them per request) are concatenated across requests into one, each
+    request's rows recorded in its metadata (`_packed`: name -> [first row, rows]); larger
+    ones keep their own entry ("{j}/{name}"), written straight from where they are. At 256
+    requests, per-tensor and per-file work was most of a small capture's delivery cost."""
+    groups: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for j, (_, ts) in enumerate(parts):
+        for name, t in ts.items():
+            groups.setdefault(name, []).append((j, t))
+    tensors: dict[str, torch.Tensor] = {}
+    packed: list[dict[str, list[int]]] = [{} for _ in parts]
+    for name, items in groups.items():
+        first = items[0][1]
+        if len(items) > 1 and all(t.dim() >= 1 and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+                                  and t.numel() * t.element_size() < PACK_BELOW for _, t in items):
+            tensors[name] = torch.cat([t for _, t in items])
+            at = 0
+            for j, t in items:
+                packed[j][name] = [at, t.shape[0]]
+                at += t.shape[0]
+        else:
+            tensors.update({f"{j}/{name}": t for j, t in items})
+    meta = {"vllm_hook": json.dumps({"batch": [{**m, "_packed": pk} for (m, _), pk in zip(parts, packed)]})}
+    if spill_mod.sees(spill):
+        try:
+            return {"path": spill_mod.write_spilled(tensors, meta, spill["dir"])}
+        except OSError:     # full (a container's small /dev/shm) or vanished: use the RPC
+            pass
+    return {"blob": st_save(tensors, metadata=meta)}
+
+
 def _header(buf: Any) -> tuple[dict, int]:
     """The JSON header of safetensors bytes and where their data starts."""
     n = int.from_bytes(buf[:8], "little")
@@ -109,17 +145,25 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
     into): {point: (positions, rows)} and the metadata. Rows are views of `buf`, not copies
     (read-only for bytes: copy them before writing); positions are copies. Other tensors
     (hook results) are copies, in the metadata under "tensors"."""
+    return parse_batch(buf)[0]
+
+
+def parse_batch(buf: Any) -> list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]]:
+    """Every request of a payload (`batch_to_wire`, or one `to_bytes`): (points, metadata)."""
     export = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
     header, data = _header(export)
     meta = json.loads((header.pop("__metadata__", None) or {}).get("vllm_hook", "{}"))
-    tensors = {}
+    metas = meta["batch"] if "batch" in meta else [meta]
+    tensors: list[dict[str, torch.Tensor]] = [{} for _ in metas]
+    shared: dict[str, torch.Tensor] = {}          # packed across the batch's requests
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # bytes are read-only: those views are only read
         # Views of one storage, so tensors that lie back to back can be copied as one.
         base = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(export, dtype=torch.uint8)
-        for name, info in header.items():
-            if name == spill_mod.PAD:
+        for full, info in header.items():
+            if full == spill_mod.PAD:
                 continue
+            j, _, name = full.rpartition("/")
             start, end = info["data_offsets"]
             dtype, shape = _DTYPES[info["dtype"]], info["shape"]
             if end == start:
@@ -129,13 +173,22 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
             else:                                # unaligned for its dtype: a copy
                 t = torch.frombuffer(export, dtype=dtype, count=(end - start) // dtype.itemsize,
                                      offset=data + start).view(shape).clone()
-            tensors[name] = t.clone() if name.endswith(".pos") else t
-    out, other = {}, {}
-    for name, t in tensors.items():
-        if name[:1] == "p" and name[1:].isdigit():
-            out[int(name[1:])] = (tensors[f"{name}.pos"], t)
-        elif not name.endswith(".pos"):
-            other[name] = t.clone()              # hook results: the user's to keep and change
-    if other:
-        meta["tensors"] = other
-    return out, meta
+            if j or len(metas) == 1:
+                tensors[int(j) if j else 0][name] = t.clone() if name.endswith(".pos") else t
+            else:
+                shared[name] = t
+    out = []
+    for m, ts in zip(metas, tensors):
+        for name, (at, rows) in m.pop("_packed", {}).items():
+            t = shared[name][at:at + rows]
+            ts[name] = t.clone() if name.endswith(".pos") else t
+        pts, other = {}, {}
+        for name, t in ts.items():
+            if name[:1] == "p" and name[1:].isdigit():
+                pts[int(name[1:])] = (ts[f"{name}.pos"], t)
+            elif not name.endswith(".pos"):
+                other[name] = t.clone()          # hook results: the user's to keep and change
+        if other:
+            m["tensors"] = other
+        out.append((pts, m))
+    return out

@@ -7,7 +7,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
 from ..delivery.spill import open_entry, spill_target
+from ..delivery.store import parse_batch
 from ..results import ATTR, Results, build
 from .state import FrontendState
 
@@ -30,12 +33,31 @@ def checked(replies: Sequence[Any]) -> Sequence[Any]:
 
 def merge_ranks(replies: Sequence[Any]) -> dict[str, list[dict]]:
     """collective_rpc returns one reply per worker (TP rank): rank 0 has the residual stream,
-    every rank its shard of the attention heads."""
+    every rank its shard of the attention heads. Each entry refers to its rank's payload."""
     merged: dict[str, list[dict]] = {}
     for reply in checked(replies):
-        for key, entries in (reply or {}).items():
-            merged.setdefault(key, []).extend(entries)
+        reply = reply or {}
+        payload = reply.get("batch")
+        for key, entries in (reply.get("entries") or {}).items():
+            merged.setdefault(key, []).extend({**e, "payload": payload} for e in entries)
     return merged
+
+
+class Opened:
+    """Payloads read once, however many requests' entries refer to them."""
+
+    def __init__(self):
+        self._parsed: dict[int, tuple[Any, list]] = {}
+
+    def part(self, entry: dict) -> tuple:
+        payload = entry["payload"]
+        got = self._parsed.get(id(payload))
+        if got is None:
+            buf = open_entry(payload)
+            got = self._parsed[id(payload)] = (payload, parse_batch(buf), isinstance(buf, torch.Tensor))
+        _, parts, owned = got
+        points, meta = parts[entry["j"]]
+        return points, meta, owned
 
 
 def child_index(req_id: str, n: int) -> int:
@@ -46,16 +68,18 @@ def child_index(req_id: str, n: int) -> int:
     return int(head) if head.isdigit() else 0
 
 
-def results_for(st: FrontendState, output: Any, entries: list[dict], res) -> Results | list[Results]:
+def results_for(st: FrontendState, output: Any, entries: list[dict], res,
+                opened: Opened | None = None) -> Results | list[Results]:
     outs = list(getattr(output, "outputs", []) or [])
     n = max(len(outs), 1)
     by_index: dict[int, list] = {}
     lost: dict[int, list[str]] = {}
+    opened = opened or Opened()
     t0 = time.perf_counter()
     for e in entries:
         i = child_index(e["req_id"], n)
         try:
-            by_index.setdefault(i, []).append(open_entry(e))
+            by_index.setdefault(i, []).append(opened.part(e))
         except OSError as err:          # the spilled file vanished (e.g. deleted by hand)
             lost.setdefault(i, []).append(f"the captured results could not be read: {err}")
     t1 = time.perf_counter()
@@ -106,12 +130,13 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
         failure = None
     st.timing["fetch_rpc_s"] += time.perf_counter() - t
     st.timing["fetches"] += 1
+    opened = Opened()
     for out, res in todo:
         if failure is not None:
             setattr(out, ATTR, failed(out, failure))
             continue
         try:
-            setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res))
+            setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res, opened))
         except Exception as e:    # one request's results, not the batch's
             log.exception("vllm_hook: building the results of %s failed", out.request_id)
             setattr(out, ATTR, failed(out, f"results could not be assembled: {e!r}"))

@@ -18,7 +18,7 @@ from ..adapters.base import AttnLayer, SchedulerEvents, StepView
 from ..config import HookConfig
 from ..delivery.collector import Collector
 from ..delivery.spill import sweep_spilled
-from ..delivery.store import RequestStore
+from ..delivery.store import RequestStore, batch_to_wire
 from ..hooks.state import StateError, encode, encode_collected
 from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
@@ -513,23 +513,27 @@ class HookRuntime:
                     self.done.pop(rid, None)
                     yield rid, req, store
 
-    def fetch(self, keys: list[str], spill: dict | None = None) -> dict[str, list[dict]]:
-        """Results of every request with one of `keys`, in safetensors: as bytes, or as a file
-        in `spill`'s directory when the frontend shares it (`delivery.spill`)."""
+    def fetch(self, keys: list[str], spill: dict | None = None) -> dict[str, Any]:
+        """Results of every request with one of `keys`, as one safetensors payload (bytes,
+        or a file in `spill`'s directory when the frontend shares it, `delivery.spill`):
+        {"batch": payload, "entries": {key: [{"req_id", "j"}]}}, j the request's part."""
         t0 = time.perf_counter()
-        out: dict[str, list[dict]] = {k: [] for k in keys}
+        entries: dict[str, list[dict]] = {k: [] for k in keys}
+        parts = []
         for rid, req, store in self._take(keys):
-            t1 = time.perf_counter()
             meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors,
                     "rank": self.rank, "attn_heads": {str(k): v for k, v in req.attn_heads.items()},
                     "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
                     "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
             extra = self._hook_tensors(req, meta)
-            out[req.key].append({"req_id": rid, **store.to_wire(meta, spill, extra)})
-            self.timing["write_s"] += time.perf_counter() - t1
+            entries[req.key].append({"req_id": rid, "j": len(parts)})
+            parts.append((meta, store._tensors(extra)))
+        t1 = time.perf_counter()
+        payload = batch_to_wire(parts, spill) if parts else None
+        self.timing["write_s"] += time.perf_counter() - t1
         self.timing["fetches"] += 1
         self.timing["fetch_s"] += time.perf_counter() - t0
-        return out
+        return {"batch": payload, "entries": entries}
 
     def _hook_tensors(self, req: HookRequest, meta: dict) -> dict[str, torch.Tensor]:
         """The request's hook results: their tensors, and their structure into `meta`."""
