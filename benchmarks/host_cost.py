@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from vllm_hook.adapters.base import NewRequest, SchedulerEvents  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
 from vllm_hook.frontend.admission import _admit  # noqa: E402
-from vllm_hook.frontend.delivery import Opened, merge_ranks  # noqa: E402
+from vllm_hook.frontend.delivery import Opened, merge_ranks, no_gc  # noqa: E402
 from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
 from vllm_hook.model.buffers import BufferShape, HookBuffers  # noqa: E402
 from vllm_hook.model.layout import PointTable  # noqa: E402
@@ -105,16 +105,20 @@ def main() -> None:
         t_fetch = (time.perf_counter() - t) / n
         st = ip.__dict__[STATE_ATTR]
         items = [{"site": "resid_post", "layer": x, "sel": "last_prompt", "pos": []} for x in (4, 9, 16, 26)]
-        t = time.perf_counter()
-        opened = Opened()
-        for k in keys:
-            parts = [opened.part(e) for e in fetched[k]]
-            build(parts, items if stored else [], st.points, request_id="r",
-                  prompt_token_ids=list(range(P)), output_token_ids=[1])
-        t_build = (time.perf_counter() - t) / n
+        with no_gc():                          # as the frontend's delivery does
+            t = time.perf_counter()
+            opened = Opened()
+            parts = {k: [opened.part(e) for e in fetched[k]] for k in keys}
+            t_read = (time.perf_counter() - t) / n
+            t = time.perf_counter()
+            for k in keys:
+                build(parts[k], items if stored else [], st.points, request_id="r",
+                      prompt_token_ids=list(range(P)), output_token_ids=[1])
+            t_build = (time.perf_counter() - t) / n
         out[name] = {"frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
                      "worker_admit_us": 1e6 * t_admit, "worker_finish_us": 1e6 * t_finish,
-                     "worker_fetch_us": 1e6 * t_fetch, "frontend_build_us": 1e6 * t_build}
+                     "worker_fetch_us": 1e6 * t_fetch, "frontend_read_us": 1e6 * t_read,
+                     "frontend_build_us": 1e6 * t_build}
         print(f"{name:30s} {n} requests, µs per request: " + ", ".join(f"{k} {v:.0f}" for k, v in out[name].items()),
               flush=True)
     if args.out:

@@ -23,7 +23,7 @@ from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
-from ..frontend.delivery import RPC, failed, fetch_args, merge_ranks, results_for
+from ..frontend.delivery import RPC, failed, fetch_args, merge_ranks, no_gc, results_for
 from ..frontend.state import FrontendState, maybe_state, state_of
 from ..results import ATTR, Results
 from ..server import encode
@@ -90,7 +90,8 @@ async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Resu
         # Forgotten only now: if the client goes away during the fetch, the abort that
         # follows still finds the request and discards its results on the workers.
         st.pop_pending(request_id)
-        return results_for(st, view, entries, res)
+        with no_gc():
+            return results_for(st, view, entries, res)
     except Exception as e:  # the generation succeeded: report, never fail the HTTP request
         st.pop_pending(request_id)
         log.exception("vllm_hook: fetching results of %s failed", request_id)
