@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from run import _versions, start, tpot, tracker_layers  # noqa: E402
+from run import _versions, model_and_base, start, tpot, tracker_layers  # noqa: E402
 
 TARGET_UNUSED, TARGET_HOOKED = 1.01, 1.25
 
@@ -179,19 +179,9 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    model, base = model_and_base(args, max_num_seqs=64)
     if args.smoke:
-        from vllm_hook.testing.tiny_models import tiny_model
-
-        model = tiny_model("qwen2")
-        base = dict(dtype="float32", max_model_len=1024, max_num_seqs=64, kv_cache_memory_bytes=64 << 20,
-                    disable_log_stats=False, seed=0)
         args.concurrency, args.gen, args.reps, args.prompt_len = [2], 4, 1, 32
-    else:
-        from make_model import build
-
-        model = args.model or build(args.shape, "/tmp/vh_models")
-        base = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=64, skip_tokenizer_init=True,
-                    gpu_memory_utilization=args.gpu_mem, seed=0, disable_log_stats=False)
     cfg = json.loads((Path(model) / "config.json").read_text())
     L = cfg["num_hidden_layers"]
     hook_layers = sorted({*tracker_layers(L), L // 2})

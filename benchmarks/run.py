@@ -103,6 +103,21 @@ def start(name, model, llm_kwargs, log_dir, native=False, timeout=900, cpus=None
 
 
 # --------------------------------------------------------------------------------------------
+def model_and_base(args, max_num_seqs: int, smoke_kv_bytes: int = 64 << 20) -> tuple[str, dict]:
+    """The checkpoint and the LLM arguments every engine of a benchmark shares: the tiny CPU
+    fixture with --smoke, else the --model (or a random --shape built on the machine), bf16."""
+    if args.smoke:
+        from vllm_hook.testing.tiny_models import tiny_model
+
+        return tiny_model("qwen2"), dict(dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
+                                         kv_cache_memory_bytes=smoke_kv_bytes, disable_log_stats=False, seed=0)
+    from make_model import build
+
+    return args.model or build(args.shape, "/tmp/vh_models"), dict(
+        dtype="bfloat16", max_model_len=4096, max_num_seqs=max_num_seqs, skip_tokenizer_init=True,
+        gpu_memory_utilization=args.gpu_mem, seed=0, disable_log_stats=False)
+
+
 def tracker_layers(L: int) -> list[int]:
     return sorted({L // 7, (2 * L) // 7 + 1, (4 * L) // 7, L - 2})
 

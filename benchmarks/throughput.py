@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from pool import median_ci  # noqa: E402
-from run import _versions, start, workloads  # noqa: E402
+from run import _versions, model_and_base, start, workloads  # noqa: E402
 
 TARGETS = {("steer_add_all_layers", False): 1.03, ("capture_last_prompt_4_layers", False): 1.03,
            ("mixed_thirds", False): 1.05, ("prefill", True): 1.10, ("capture_all_tokens_all_layers", False): 1.5}
@@ -113,20 +113,11 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    model, base = model_and_base(args, max_num_seqs=256, smoke_kv_bytes=256 << 20)
+    big = (32, 512)
     if args.smoke:
-        from vllm_hook.testing.tiny_models import tiny_model
-
-        model = tiny_model("qwen2")
-        base = dict(dtype="float32", max_model_len=1024, max_num_seqs=256, kv_cache_memory_bytes=256 << 20,
-                    enforce_eager=True, disable_log_stats=False)
+        base["enforce_eager"] = True
         args.batches, args.reps, big = ["8x16+1", "8x16+4"], 2, (4, 64)
-    else:
-        from make_model import build
-
-        model = args.model or build(args.shape, "/tmp/vh_models")
-        base = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=256, skip_tokenizer_init=True,
-                    gpu_memory_utilization=args.gpu_mem, seed=0, disable_log_stats=False)
-        big = (32, 512)
     cfg = json.loads((Path(model) / "config.json").read_text())
     L = cfg["num_hidden_layers"]
     wl = workloads(L)

@@ -73,3 +73,24 @@ def engines():
 def scheduler_of(llm):
     """The in-process scheduler (tests only: to count preemptions)."""
     return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+class counting_preemptions:
+    """`with counting_preemptions(llm) as n:` ... `n["n"]` preemptions the scheduler made."""
+
+    def __init__(self, llm):
+        self.sched = scheduler_of(llm)
+        self.count = {"n": 0}
+
+    def __enter__(self) -> dict:
+        orig = self.orig = self.sched._preempt_request
+
+        def counting(*a, **k):
+            self.count["n"] += 1
+            return orig(*a, **k)
+
+        self.sched._preempt_request = counting
+        return self.count
+
+    def __exit__(self, *exc) -> None:
+        self.sched._preempt_request = self.orig

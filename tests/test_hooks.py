@@ -305,28 +305,17 @@ def _newest_by_position(saved: dict, key: str) -> dict[int, torch.Tensor]:
 
 
 def test_hooks_under_preemption_and_abort(small_kv):
-    from tests.conftest import scheduler_of
+    from tests.conftest import counting_preemptions
 
     llm = small_kv
-    sched = scheduler_of(llm)
-    count = {"n": 0}
-    orig = sched._preempt_request
-
-    def counting(*a, **k):
-        count["n"] += 1
-        return orig(*a, **k)
-
-    sched._preempt_request = counting
     specs = [{"hooks": [Hook(_save_rows, [1])]}, {"hooks": [Hook(_modify, [2])]}, None,
              {"hooks": [Hook(_save_rows, [3]), Hook(_modify, [0], pre=True)]},
              {"steer": [{"op": "add", "layer": 1, "vector": vec(33).tolist(), "scale": 5.0}]},
              {"hooks": [Hook(_modify, [1])], "capture": [{"layers": [2]}]}]
     prompts = [ids_of(llm, PROMPTS[i]) for i in range(len(specs))]
     params = [sp(s, max_tokens=90, ignore_eos=True) for s in specs]
-    try:
+    with counting_preemptions(llm) as count:
         together = run(llm, prompts, params)
-    finally:
-        sched._preempt_request = orig
     assert count["n"] > 0, "the test did not cause any preemption"
     for i, (p, prm) in enumerate(zip(prompts, params)):
         alone = run(llm, [p], [prm])[0]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import vllm_hook
-from tests.conftest import scheduler_of
+from tests.conftest import counting_preemptions
 from tests.helpers import hf_ref
 from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
 from vllm_hook.frontend.delivery import attach
@@ -180,15 +180,6 @@ def small_kv(engines):
 
 def test_preemption_and_resumption(small_kv):
     llm = small_kv
-    sched = scheduler_of(llm)
-    count = {"n": 0}
-    orig = sched._preempt_request
-
-    def counting(*a, **k):
-        count["n"] += 1
-        return orig(*a, **k)
-
-    sched._preempt_request = counting
     specs = [{"capture": [{"layers": [1, 3], "tokens": "all"}]},
              {"steer": [{"op": "add", "layer": 1, "vector": vec(31).tolist(), "scale": 5.0}],
               "capture": [{"layers": [2], "tokens": "all"}]},
@@ -199,10 +190,8 @@ def test_preemption_and_resumption(small_kv):
              {"steer": [{"op": "cap", "layer": 2, "vector": vec(33).tolist(), "max": 0.0}]}]
     prompts = [ids_of(llm, PROMPTS[i]) for i in range(len(specs))]
     params = [sp(s, max_tokens=90) for s in specs]
-    try:
+    with counting_preemptions(llm) as count:
         together = run(llm, prompts, params)
-    finally:
-        sched._preempt_request = orig
     assert count["n"] > 0, "the test did not cause any preemption"
     for i, (p, prm) in enumerate(zip(prompts, params)):
         alone = run(llm, [p], [prm])[0]

@@ -188,79 +188,66 @@ async def _worker_call(engine: Any, *args: Any) -> Any:
     return replies
 
 
-@router.post("/hooks/register")
-async def register_hooks(request: Request):
+async def _hooks_route(request: Request, work) -> Any:
+    """A persistent-hook route: `work(engine, served)`'s answer, 503 without an engine, a
+    SpecError (bad body, hooks off, unknown hook) as its 4xx."""
     engine, sv = _served(request)
     if engine is None:
         return _no_engine()
     try:
-        body = await _json_body(request)
-        hooks = body.get("hooks") if isinstance(body, dict) else None
-        if not isinstance(hooks, list):
-            raise SpecError("hooks", "expected {\"hooks\": [...]}",
-                            'send {"hooks": [{"name": ..., "args": {...}}]}')
-        args = _hooks.register_args(sv.frontend, hooks)
-        count = _hooks.registered(sv.frontend, await _worker_call(engine, *args))
+        return await work(engine, sv)
     except SpecError as e:
         return _spec_failure(e)
-    return {"registered": count}
+
+
+async def _list_field(request: Request, field: str, example: str, kind=dict) -> list:
+    body = await _json_body(request)
+    got = body.get(field) if isinstance(body, dict) else None
+    if not isinstance(got, list) or not all(isinstance(x, kind) for x in got):
+        raise SpecError(field, f"expected {{\"{field}\": [...]}}", f"send {example}")
+    return got
+
+
+@router.post("/hooks/register")
+async def register_hooks(request: Request):
+    async def work(engine, sv):
+        hooks = await _list_field(request, "hooks", '{"hooks": [{"name": ..., "args": {...}}]}')
+        args = _hooks.register_args(sv.frontend, hooks)
+        return {"registered": _hooks.registered(sv.frontend, await _worker_call(engine, *args))}
+    return await _hooks_route(request, work)
 
 
 @router.get("/hooks/collect")
 async def collect_hooks(request: Request):
-    engine, sv = _served(request)
-    if engine is None:
-        return _no_engine()
-    try:
+    async def work(engine, sv):
         replies = await _worker_call(engine, *_hooks.collect_args(sv.frontend))
-    except SpecError as e:
-        return _spec_failure(e)
-    blob = (replies[0] or {}).get("blob", b"")
-    return {"format": "safetensors", "data": base64.b64encode(blob).decode("ascii") if blob else None}
+        blob = (replies[0] or {}).get("blob", b"")
+        return {"format": "safetensors", "data": base64.b64encode(blob).decode("ascii") if blob else None}
+    return await _hooks_route(request, work)
 
 
 @router.post("/hooks/clear_results")
 async def clear_hook_results(request: Request):
-    engine, sv = _served(request)
-    if engine is None:
-        return _no_engine()
-    try:
-        replies = await _worker_call(engine, "clear_hook_results")
-    except SpecError as e:
-        return _spec_failure(e)
-    return {"cleared": int(replies[0])}
+    async def work(engine, sv):
+        return {"cleared": int((await _worker_call(engine, "clear_hook_results"))[0])}
+    return await _hooks_route(request, work)
 
 
 @router.post("/hooks/clear")
 async def clear_hooks(request: Request):
-    engine, sv = _served(request)
-    if engine is None:
-        return _no_engine()
-    try:
+    async def work(engine, sv):
         await _worker_call(engine, "clear_hooks")
-    except SpecError as e:
-        return _spec_failure(e)
-    _hooks.cleared(sv.frontend)
-    return {"registered": 0}
+        _hooks.cleared(sv.frontend)
+        return {"registered": 0}
+    return await _hooks_route(request, work)
 
 
 @router.post("/hooks/prefetch")
 async def prefetch(request: Request):
-    engine, sv = _served(request)
-    if engine is None:
-        return _no_engine()
-    try:
-        body = await _json_body(request)
-        names = body.get("names") if isinstance(body, dict) else None
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise SpecError("names", "expected a list of parameter names",
-                            'send {"names": ["lm_head.weight"]}')
-        replies = await _worker_call(engine, "prefetch_params", names)
-    except SpecError as e:
-        return _spec_failure(e)
-    except KeyError as e:
-        return _fail(str(e.args[0]) if e.args else repr(e), 404, "NotFoundError")
-    return {"cached": replies[0]}
+    async def work(engine, sv):
+        names = await _list_field(request, "names", '{"names": ["lm_head.weight"]}', str)
+        return {"cached": (await _worker_call(engine, "prefetch_params", names))[0]}
+    return await _hooks_route(request, work)
 
 
 def _config(app: FastAPI) -> HookConfig:
