@@ -40,11 +40,12 @@ def test_benchmark_suite_smoke(tmp_path, engines):
 
 
 def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
-    """benchmarks/throughput.py (issue 17) and hooks_gpu.py (issue 16) on the tiny model."""
+    """benchmarks/throughput.py and extract_speed.py (issue 17) and hooks_gpu.py (issue 16) on
+    the tiny model."""
     engines.close()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     for script, extra in (("throughput.py", ["--workloads", "unused", "steer_add_all_layers", "mixed_thirds"]),
-                          ("hooks_gpu.py", [])):
+                          ("hooks_gpu.py", []), ("extract_speed.py", [])):
         out = tmp_path / script
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
                               env=env, capture_output=True, text=True, timeout=1500)
@@ -55,6 +56,9 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
     assert all(c["host_us_per_request"]["admission (parse, resolve)"] > 0 for c in tp["cases"] if c["workload"] != "unused")
     hk = json.loads((tmp_path / "hooks_gpu.py" / "results.json").read_text())
     assert hk["parity"]["modifying_hook_zeroed_dims_exactly"] is True
+    xs = json.loads((tmp_path / "extract_speed.py" / "results.json").read_text())
+    assert [c["job"] for c in xs["cases"]] == ["last_prompt_4_layers", "all_tokens_4_layers_bf16"]
+    assert all(c["bytes"] > 0 and c["extract_tok_s"] > 0 for c in xs["cases"])
 
 
 def test_host_cost_microbenchmark_smoke(tmp_path):

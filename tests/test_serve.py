@@ -557,3 +557,49 @@ def test_persistent_hooks_over_http(server, client):
                    headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 400 and "no operator hook named 'nope'" in r.text
     assert client.prefetch_params(["lm_head.weight"]) == ["lm_head.weight"]
+
+
+# ---- vllm-hook extract --server -----------------------------------------------------------
+
+def test_extract_over_http_equals_client_results(server, client, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers.common import random_prompts, write_jsonl
+    from vllm_hook.extract import Job, ServedEngine, extract
+
+    texts = random_prompts(24, seed=11)
+    inputs = [{"prompt": t} for t in texts] + ["{bad"] + [{"messages": CHAT}]
+    src = write_jsonl(tmp_path / "in.jsonl", inputs)
+    eng = ServedEngine(server.url, api_key=API_KEY, concurrency=8)
+    try:
+        job = Job(model=eng.model, input=str(src), layers=[0, 3], tokens="all", shard_rows=200)
+        m = extract(eng, job, tmp_path / "api", progress=False)
+    finally:
+        eng.close()
+    assert m.complete and [f.where for f in m.failures] == ["line 25"]
+    ds = vllm_hook.load_dataset(tmp_path / "api")
+    idx = ds["prompt_index"]
+    for i, x in enumerate(inputs):
+        if isinstance(x, str):
+            assert not (idx == i).any()
+            continue
+        gen = (client.generate(x["prompt"], job.spec(), max_tokens=1, temperature=0) if "prompt" in x
+               else client.chat(x["messages"], job.spec(), max_tokens=1, temperature=0))
+        r, rows = gen.results, idx == i
+        assert torch.equal(ds["position"][rows], r.positions["resid_post"][0])
+        assert ds["token_id"][rows].tolist() == [r.token_ids[p] for p in r.positions["resid_post"][0]]
+        for L in (0, 3):
+            assert rel_err(ds.activations(L)[rows], r.activations["resid_post"][L]) <= TOL, (i, L)
+
+    # The command line does the same job.
+    cli = subprocess.run([sys.executable, "-m", "vllm_hook.extract", str(src), "--server", server.url,
+                          "--api-key", API_KEY, "--layers", "0,3", "--shard-rows", "200",
+                          "--out", str(tmp_path / "cli"), "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert "line 25: not valid JSON" in cli.stderr
+    other = vllm_hook.load_dataset(tmp_path / "cli")
+    assert other.manifest.shards == ds.manifest.shards
+    for col in ds.columns:
+        assert rel_err(other[col].float(), ds[col].float()) <= TOL, col

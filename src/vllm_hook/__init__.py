@@ -8,14 +8,15 @@ from .api import (  # noqa: E402
 )
 from .client import AsyncClient, Client  # noqa: E402
 from .config import HookConfig  # noqa: E402
+from .extract.dataset import ActivationDataset, load_dataset  # noqa: E402
 from .hooks import BatchHookContext, Hook, HookContext, operator_hook  # noqa: E402
 from .results import Results, results  # noqa: E402
 from .spec import HookRuntimeError, HookSpec, SpecError, UnknownVectorError, encode_vector  # noqa: E402
 
 __all__ = [
-    "AsyncClient", "BatchHookContext", "Client", "Hook", "HookConfig", "HookContext",
+    "ActivationDataset", "AsyncClient", "BatchHookContext", "Client", "Hook", "HookConfig", "HookContext",
     "HookRuntimeError", "HookSpec", "Results", "SpecError", "UnknownVectorError",
     "clear_hook_results", "clear_hooks", "collect_hook_results", "delete_vectors", "encode_vector",
-    "operator_hook", "prefetch_params", "register_hooks", "register_vectors", "results", "stats",
+    "load_dataset", "operator_hook", "prefetch_params", "register_hooks", "register_vectors", "results", "stats",
     "__version__",
 ]

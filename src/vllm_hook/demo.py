@@ -15,11 +15,11 @@ import tempfile
 import time
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="qwen2", help="tiny fixture architecture (llama, qwen2, qwen3, gemma2)")
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (faster start, no torch.compile)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
     from vllm import LLM, SamplingParams

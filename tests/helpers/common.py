@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import random
+from pathlib import Path
+
 import torch
 from vllm import SamplingParams
 
@@ -18,6 +22,22 @@ PROMPTS = [
     "Attention lets each position look at earlier positions",
     "Summarise the document below. A model reads tokens and writes tokens.",
 ]
+
+WORDS = "the sea a cat ran over hills and far away into deep blue night sky of stars".split()
+
+
+def random_prompts(n: int, seed: int = 0) -> list[str]:
+    """n prompts of 4 to 40 words, the same for the same seed."""
+    rnd = random.Random(seed)
+    return [" ".join(rnd.choices(WORDS, k=rnd.randint(4, 40))) for _ in range(n)]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """One line per row: a dict as JSON, a string as it is (for malformed lines)."""
+    with open(path, "w") as f:
+        for r in rows:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
 
 
 def sp(spec=None, max_tokens=8, **kw) -> SamplingParams:

@@ -30,6 +30,17 @@ def external_id(req_id: str) -> str:
     return head if head and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail) else req_id
 
 
+def input_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions with which `LLM.generate` refuses an input (a prompt too long, bad
+    parameters, a spec error): ValueError/TypeError, and vLLM's client-error class where the
+    release has one (0.32: VLLMClientError, not a ValueError)."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError, TypeError)
+    return (ValueError, TypeError, VLLMClientError)
+
+
 def _stamp_config(orig):
     def create_engine_config(self, *args, **kwargs):
         from vllm.config import CompilationMode
