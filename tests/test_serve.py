@@ -212,6 +212,25 @@ def test_concurrent_requests_stay_isolated(server, refs):
         _check_case(name, out, refs)
 
 
+def test_requests_finishing_together_share_one_fetch(server, client, refs):
+    """32 requests that finish in the same engine steps: a few fetch RPCs, not 32; each
+    result still equals its solo offline one."""
+    ids, spec, n = CASES["capture_last_prompt"]
+    before = client.health()["frontend"]["fetches"]
+
+    async def main():
+        async with vllm_hook.AsyncClient(server.url, api_key=API_KEY) as ac:
+            return await asyncio.gather(*(ac.generate(ids, spec, max_tokens=n, temperature=0)
+                                          for _ in range(32)))
+
+    outs = asyncio.run(main())
+    fetches = client.health()["frontend"]["fetches"] - before
+    for out in outs:
+        _check_case("capture_last_prompt", out, refs)
+    print(f"\n[served fetch batching] {fetches} fetch RPCs for 32 requests")
+    assert fetches <= 8, f"{fetches} fetch RPCs for 32 requests"
+
+
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_streamed_request_gets_results(server, refs, route):
     openai = pytest.importorskip("openai")

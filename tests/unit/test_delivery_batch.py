@@ -65,3 +65,43 @@ def test_batch_payload_equals_per_request_payloads(tmp_path):
             got = build([(pts, meta, isinstance(buf, torch.Tensor))], items, TABLE, request_id="x",
                         prompt_token_ids=list(range(P)), output_token_ids=[1, 2, 3, 4], hooks=1)
             _same(got, ref)
+
+
+def test_served_requests_finishing_together_share_one_fetch():
+    """FetchBatcher: waiters of the same few event-loop turns share one RPC; a failed fetch
+    fails all of them and discards their keys; a cancelled waiter does not cancel the others."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend.delivery import FetchBatcher
+
+    calls = []
+
+    async def rpc(method, args):
+        calls.append(args[:2])
+        await asyncio.sleep(0.01)
+        if args[0] == "fetch" and "boom" in args[1]:
+            raise RuntimeError("worker gone")
+        return [{"entries": {k: [{"j": 0, "req_id": k}] for k in args[1]}, "batch": b"payload"}]
+
+    st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), timing={"fetch_rpc_s": 0.0, "fetches": 0})
+    fb = FetchBatcher(st, rpc)
+
+    async def main():
+        got = await asyncio.gather(*(fb.entries(f"k{i}") for i in range(5)))
+        assert [g[0][0]["req_id"] for g in got] == [f"k{i}" for i in range(5)]
+        assert len({id(g[1]) for g in got}) == 1             # one Opened payload for the batch
+        assert calls == [("fetch", [f"k{i}" for i in range(5)])]
+        # One waiter cancelled: the others still get theirs.
+        a, b = asyncio.ensure_future(fb.entries("a")), asyncio.ensure_future(fb.entries("b"))
+        await asyncio.sleep(0)
+        a.cancel()
+        assert (await b)[0][0]["req_id"] == "b"
+        # A failing fetch: every waiter of the batch raises, the keys are discarded.
+        calls.clear()
+        res = await asyncio.gather(fb.entries("boom"), fb.entries("c"), return_exceptions=True)
+        assert all(isinstance(r, RuntimeError) for r in res)
+        assert calls == [("fetch", ["boom", "c"]), ("discard", ["boom", "c"])]
+
+    asyncio.run(main())
+    assert st.timing["fetches"] == 3

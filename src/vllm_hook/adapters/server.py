@@ -2,8 +2,8 @@
 and the plugin's routes on vLLM's app.
 
 * `AsyncLLM.generate`: when a request with a spec finishes, fetch its captures from the
-  workers (one RPC per request) and attach `Results` to the final `RequestOutput`, before the
-  serving code sees it. Works for any AsyncLLM user, not only HTTP.
+  workers (one RPC for the requests that finish together: `frontend.delivery.FetchBatcher`)
+  and attach `Results` to the final `RequestOutput`, before the serving code sees it. Works for any AsyncLLM user, not only HTTP.
 * `AsyncLLM.add_request`: a spec error leaves it as a SpecError that is also vLLM's
   client-error class, so every endpoint answers 400/404 (not 500).
 * `OpenAIServingCompletion.create_completion` / `OpenAIServingChat.create_chat_completion`:
@@ -23,7 +23,7 @@ from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
-from ..frontend.delivery import RPC, failed, fetch_args, merge_ranks, no_gc, results_for
+from ..frontend.delivery import FetchBatcher, failed, no_gc, results_for
 from ..frontend.state import FrontendState, maybe_state, state_of
 from ..results import ATTR, Results
 from ..server import encode
@@ -35,6 +35,7 @@ from .patching import when_imported, wrap_method
 
 log = logging.getLogger("vllm_hook")
 SERVED_ATTR = "_vllm_hook_served"
+BATCHER_ATTR = "_vllm_hook_fetcher"
 
 
 @dataclass
@@ -77,21 +78,26 @@ class _Tokens:
                                outputs=outs)
 
 
+def _batcher(engine: Any, st: FrontendState) -> FetchBatcher:
+    b = engine.__dict__.get(BATCHER_ATTR)
+    if b is None:
+        b = engine.__dict__[BATCHER_ATTR] = FetchBatcher(st, engine.collective_rpc)
+    return b
+
+
 async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Results] | None:
     st = maybe_state(engine.input_processor)
     item = st.pending.get(request_id) if st is not None else None
     if item is None:
         return None
     res = item[1]
-    entries: list[dict] = []
     try:
-        replies = await engine.collective_rpc(RPC, args=fetch_args(st, [res.key]))
-        entries = merge_ranks(replies).get(res.key, [])
+        entries, opened = await _batcher(engine, st).entries(res.key)
         # Forgotten only now: if the client goes away during the fetch, the abort that
         # follows still finds the request and discards its results on the workers.
         st.pop_pending(request_id)
         with no_gc():
-            return results_for(st, view, entries, res)
+            return results_for(st, view, entries, res, opened)
     except Exception as e:  # the generation succeeded: report, never fail the HTTP request
         st.pop_pending(request_id)
         log.exception("vllm_hook: fetching results of %s failed", request_id)

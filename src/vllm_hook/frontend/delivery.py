@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -147,6 +149,59 @@ def _attach_all(st: FrontendState, todo: list, fetched: dict, failure: str | Non
         except Exception as e:    # one request's results, not the batch's
             log.exception("vllm_hook: building the results of %s failed", out.request_id)
             setattr(out, ATTR, failed(out, f"results could not be assembled: {e!r}"))
+
+
+class FetchBatcher:
+    """Served mode: requests that finish together share one fetch RPC and one payload.
+
+    A finished request's generator asks for its entries; the first opens a batch and lets the
+    event loop run a few turns, in which the other requests of the same engine output (vLLM
+    wakes them one after another) join it. Then one RPC fetches all their keys. Each request
+    builds its own Results from the batch's entries and its shared `Opened` payload."""
+
+    JOIN_TURNS = 4
+
+    def __init__(self, st: FrontendState, rpc: Callable[..., Any]):
+        self.st, self.rpc = st, rpc          # rpc: the engine's async collective_rpc
+        self._open: _Batch | None = None
+
+    async def entries(self, key: str) -> tuple[list[dict], "Opened"]:
+        b = self._open
+        if b is None:
+            loop = asyncio.get_running_loop()
+            b = self._open = _Batch([], loop.create_future(), Opened())
+            b.done.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
+            loop.create_task(self._flush(b))
+        b.keys.append(key)
+        # shield: a waiter whose client went away must not cancel the others' fetch
+        merged = await asyncio.shield(b.done)
+        return merged.get(key, []), b.opened
+
+    async def _flush(self, b: "_Batch") -> None:
+        for _ in range(self.JOIN_TURNS):
+            await asyncio.sleep(0)
+        self._open = None
+        t = time.perf_counter()
+        try:
+            merged = merge_ranks(await self.rpc(RPC, args=fetch_args(self.st, b.keys)))
+        except Exception as e:
+            try:             # the workers need not keep them until their TTL
+                await self.rpc(RPC, args=("discard", b.keys))
+            except Exception:
+                log.exception("vllm_hook: discarding the unfetched results failed too")
+            b.done.set_exception(e)
+        else:
+            b.done.set_result(merged)
+        finally:
+            self.st.timing["fetch_rpc_s"] += time.perf_counter() - t
+            self.st.timing["fetches"] += 1
+
+
+@dataclass
+class _Batch:
+    keys: list[str]
+    done: asyncio.Future
+    opened: Opened
 
 
 @contextmanager
