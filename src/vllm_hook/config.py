@@ -23,6 +23,13 @@ Site = Literal["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k"]
 SpecSite = Literal["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k", "attn_scores"]
 
 
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
 def disabled() -> bool:
     """True when ``VLLM_HOOK_DISABLE`` is set to a true value: the plugin is then a no-op."""
     return os.environ.get("VLLM_HOOK_DISABLE", "").strip().lower() in ("1", "true", "yes", "on")
@@ -65,6 +72,12 @@ class HookConfig(BaseModel):
         default=256, ge=1,
         description="Distinct steering vectors resident on the device at once.",
     )
+    max_named_vectors: int = Field(
+        default=1024, ge=1,
+        description="Named steering vectors an engine keeps (register_vectors, POST "
+        "/v1/hook/vectors); each takes hidden_size x 4 bytes on every worker and in the "
+        "frontend. Registering beyond it is refused; delete vectors to make room.",
+    )
     capture_pool_rows: int | None = Field(
         default=None, ge=1,
         description="Rows of the per-step device capture buffer (one row = one token at one "
@@ -85,6 +98,19 @@ class HookConfig(BaseModel):
         "/dev/shm (it keeps a probe file there that the worker must see; the frontend maps "
         "each result file and deletes it at once), instead of sending them through vLLM's "
         "RPC. None, another host or container, or a full or unwritable directory: the RPC.",
+    )
+    max_capture_bytes_per_request: int | None = Field(
+        default=None, ge=1,
+        description="Host bytes one request's captures may take on a worker in the worst case "
+        "(every selected row of every captured layer over its prompt and max_tokens, in the "
+        "model's dtype); a spec beyond it is refused at admission. Default: 1/8 of the host's "
+        "memory.",
+    )
+    max_inflight_capture_bytes: int | None = Field(
+        default=None, ge=1,
+        description="Host bytes of captures a worker holds for all its unfetched requests; a "
+        "request whose rows would pass it loses its captures (an error in its results), the "
+        "others keep theirs. Default: 1/2 of the host's memory.",
     )
     max_inline_result_bytes: int = Field(
         default=8 << 20, ge=0,
@@ -131,6 +157,11 @@ class HookConfig(BaseModel):
         "code execution on the server. Off: clients may only call operator hooks by name.",
     )
     version: str = __version__
+
+    def capture_limits(self) -> tuple[int, int]:
+        """(bytes per request, bytes in flight per worker), defaults from the host's memory."""
+        mem = host_memory_bytes()
+        return (self.max_capture_bytes_per_request or mem // 8, self.max_inflight_capture_bytes or mem // 2)
 
     def layers_of(self, value, num_layers: int) -> set[int]:
         if value is None:

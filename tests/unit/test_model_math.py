@@ -413,3 +413,24 @@ def test_repeated_decode_steps_are_delivered_per_run(monkeypatch):
     assert torch.equal(stores["a"].points()[0][1], torch.stack([w[0] for w in written]))
     pos, rows = stores["b"].points()[1]   # "last": only the newest rows are kept
     assert pos.tolist()[-1] == 10 and torch.equal(rows[-1], written[-1][2])
+
+
+def test_attention_scores_in_chunks_equal_one_pass(monkeypatch):
+    """Chunked over query rows (bounded device memory) = the one-pass softmax, exactly."""
+    from vllm_hook.model import attention
+
+    g = torch.Generator().manual_seed(3)
+    n, h, kvh, D, K = 37, 4, 2, 8, 40
+    q, keys = torch.randn(n, h, D, generator=g), torch.randn(K, kvh, D, generator=g)
+    kv_of_head, q_pos = torch.tensor([0, 0, 1, 1]), torch.arange(3, 3 + n)
+    args = (q, keys, kv_of_head, q_pos, 0.3, 30.0, 16, K + 5)
+    one = attention.attention_scores(*args)
+    monkeypatch.setattr(attention, "CHUNK_ELEMENTS", h * K * 5)      # 5 rows per chunk
+    chunked = attention.attention_scores(*args)
+    assert torch.equal(one, chunked) and one.shape == (n, h, K + 5)
+    # A reference: softcapped, causal, windowed softmax per row.
+    logits = 30.0 * torch.tanh(torch.einsum("nhd,khd->nhk", q, keys[:, kv_of_head]) * 0.3 / 30.0)
+    kpos = torch.arange(K)
+    mask = (kpos[None] > q_pos[:, None]) | (kpos[None] <= q_pos[:, None] - 16)
+    ref = torch.softmax(logits.masked_fill(mask[:, None], float("-inf")), -1)
+    assert torch.allclose(one[..., :K], ref, atol=1e-6) and not one[..., K:].any()

@@ -174,3 +174,31 @@ def test_resolution_cache_one_resolve_per_distinct_spec():
 
     from vllm_hook.frontend.cache import cache_key
     assert cache_key({"steer": [{"op": "add", "layer": 0, "vector": torch.ones(8)}]}) == (None, [])
+
+
+def test_size_bounds_keep_the_check_short():
+    """What bounds the time one spec's check takes in the API server's event loop."""
+    from vllm_hook.spec.resolve import MAX_CAPTURE_ENTRIES
+    from vllm_hook.spec.schema import MAX_SPEC_CHARS, MAX_SPEC_ENTRIES
+
+    many = {"capture": [{"layers": [0], "tokens": list(range(40))} for _ in range(MAX_SPEC_ENTRIES // 40 + 1)]}
+    with pytest.raises(SpecError, match="more than 65536 in all") as e:
+        parse_spec(many)
+    assert e.value.where == "spec" and "selectors" in e.value.fix
+    steer_many = {"steer": [{"op": "add", "layer": 0, "vector": V, "tokens": list(range(40000))}] * 2}
+    with pytest.raises(SpecError, match="in all"):
+        parse_spec(steer_many)
+    with pytest.raises(SpecError, match="more than a spec may hold") as e:
+        parse_spec(json.dumps({"steer": [{"op": "add", "layer": 0, "vector": [0.5] * (MAX_SPEC_CHARS // 4)}]}))
+    assert "b64" in e.value.fix
+    # Repeated items and layers are checked and sent once.
+    r = R({"capture": [{"layers": [0, -4, 0, 3], "tokens": "last"}] * 500})
+    assert [(c["layer"], c["sel"]) for c in r.wire["cap"]] == [(0, "last"), (3, "last")]
+    assert len(r.items) == 2
+    # Distinct captures are bounded.
+    wide = HookConfig(sites=CFG.sites)
+    big = ModelInfo(num_layers=64, hidden_size=8, name="deep")
+    spec = {"capture": [{"layers": "all", "tokens": [t]} for t in range(MAX_CAPTURE_ENTRIES // 64 + 1)]}
+    with pytest.raises(SpecError, match="distinct") as e:
+        resolve(parse_spec(spec), big, wide, 200, {}.get)
+    assert e.value.where == "capture"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -22,25 +23,54 @@ from .hostmem import host_empty
 _DTYPES = {name: dtype for dtype, name in spill_mod.ST_DTYPES.items()}
 
 
+class Budget:
+    """Host bytes that the stores sharing it may hold together (a worker's unfetched captures).
+    A store's bytes return to it when the store is dropped, whichever path drops it."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = int(limit), 0
+
+    def _release(self, held: list[int]) -> None:
+        self.used -= held[0]
+        held[0] = 0
+
+
 class RequestStore:
     """Chunks are kept as they arrive, one per step and group of points (point-major blocks,
     see `routing.Segment`); they are split per point only when the results are fetched, so a
     step costs one append per group, whatever the number of layers."""
 
-    def __init__(self):
+    def __init__(self, budget: Budget | None = None):
         self._chunks: dict[tuple[int, ...], list[tuple[np.ndarray, torch.Tensor]]] = {}
-        self.nbytes = 0
+        self._budget = budget
+        self._held = [0]              # bytes, in a list: the finalizer must not keep self alive
+        if budget is not None:
+            weakref.finalize(self, budget._release, self._held)
+
+    @property
+    def nbytes(self) -> int:
+        return self._held[0]
+
+    def _count(self, n: int) -> None:
+        self._held[0] += n
+        if self._budget is not None:
+            self._budget.used += n
 
     def add(self, points: tuple[int, ...], positions: np.ndarray, rows: torch.Tensor,
-            last_only: bool) -> None:
+            last_only: bool) -> bool:
+        """Keep the rows; False (nothing kept) when they would take the budget past its limit."""
+        n = rows.numel() * rows.element_size()
+        if self._budget is not None and self._budget.used + n > self._budget.limit:
+            return False
         chunks = self._chunks.setdefault(points, [])
         chunks.append((positions, rows))
-        self.nbytes += rows.numel() * rows.element_size()
+        self._count(n)
         if last_only and len(chunks) > 2:
             # Keep the two newest: the very last forward may be vLLM's surplus step, trimmed later.
             for _, r in chunks[:-2]:
-                self.nbytes -= r.numel() * r.element_size()
+                self._count(-r.numel() * r.element_size())
             del chunks[:-2]
+        return True
 
     def points(self) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
         """{point: (positions, rows)}, positions ascending, newest copy of each. Rows are views

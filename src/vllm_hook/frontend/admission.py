@@ -10,7 +10,8 @@ import time
 import uuid
 from typing import Any
 
-from ..spec.resolve import resolve
+from ..spec.errors import SpecError
+from ..spec.resolve import capture_bytes, resolve
 from ..spec.schema import SPEC_KEY, parse_spec
 from .cache import cache_key
 from .state import allow_pickles, maybe_state, state_of
@@ -25,6 +26,21 @@ def _hooked(request: Any, sp: Any) -> None:
     (its hooks would miss those rows) and leaves no KV anyone else reuses (a unique salt)."""
     _salt(request, f"vllm_hook:hooks:{uuid.uuid4().hex}")
     sp.skip_reading_prefix_cache = True
+
+
+def _check_capture_bytes(st, res, prompt_len: int, sp: Any) -> None:
+    """Refuse a request whose captures could exceed max_capture_bytes_per_request (worst case:
+    max_tokens generated; per request, since max_tokens is not part of the cached spec)."""
+    limit = st.cfg.capture_limits()[0]
+    max_tokens = getattr(sp, "max_tokens", None)
+    total = min(prompt_len + (max_tokens if max_tokens is not None else st.max_model_len), st.max_model_len)
+    worst = capture_bytes(res.items, st.info, prompt_len, total)
+    if worst > limit:
+        raise SpecError("capture", f"its captures could take {worst:,} bytes of host memory on a worker "
+                        f"(every selected row over {prompt_len} prompt + up to {total - prompt_len} "
+                        f"generated tokens), more than max_capture_bytes_per_request ({limit:,})",
+                        "capture fewer layers or tokens, lower max_tokens, or raise additional_config "
+                        "vllm_hook.max_capture_bytes_per_request")
 
 
 def admit(input_processor: Any, request_id: str, request: Any) -> None:
@@ -67,6 +83,8 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
                       allow_pickles=allow_pickles(st))
         if cache is not None:
             st.resolved.put(cache, prompt_len, res, keep)
+    if res.items:
+        _check_capture_bytes(st, res, prompt_len, sp)
     sp.extra_args = {**rest, SPEC_KEY: res.wire}
     if res.steer_digest:
         # A steered request must never reuse KV computed under other steering (or none).

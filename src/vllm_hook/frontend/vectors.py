@@ -18,6 +18,13 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 def prepare(st: FrontendState, vectors: Mapping[str, Any]
             ) -> tuple[dict[str, bytes], dict[str, tuple[str, float]]]:
     """Checked float32 bytes of each vector, and its (digest, norm) for admission."""
+    limit = st.cfg.max_named_vectors
+    count = len(set(st.names) | set(vectors))
+    if count > limit:
+        raise SpecError("vectors", f"registering these would make {count} named vectors, more than "
+                        f"max_named_vectors ({limit}; each takes hidden_size x 4 bytes on every "
+                        "worker)", "delete vectors no longer needed (delete_vectors, DELETE "
+                        "/v1/hook/vectors/{name}) or raise additional_config vllm_hook.max_named_vectors")
     payload, digests = {}, {}
     for name, value in vectors.items():
         where = f"vectors[{name!r}]"

@@ -24,6 +24,8 @@ from .schema import AblateOp, AddOp, CapOp, HookSpec, Selector
 from .vectors import check_vector, decode_vector, vector_digest
 
 WIRE_VERSION = 1
+# Distinct (site, layer, selector) captures of one spec: 7 sites x 128 layers x 4 selectors fit.
+MAX_CAPTURE_ENTRIES = 4096
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,14 @@ def _layer(layer: int, n: int, where: str) -> int:
     return layer % n
 
 
+def _frozen(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
+    return v
+
+
 def resolve(
     spec: HookSpec,
     model: ModelInfo,
@@ -157,9 +167,13 @@ def resolve(
     of a registered vector, or None."""
     n, hidden = model.num_layers, model.hidden_size
     bound = steer_bound(model, config.max_ops_per_layer)
-    wire_cap, items = [], []
+    wire_cap, items, seen_items = [], [], set()
     for i, item in enumerate(spec.capture):
         where = f"capture[{i}]"
+        ikey = (item.site, _frozen(item.layers), _frozen(item.tokens), _frozen(item.heads))
+        if ikey in seen_items:            # a repeated item adds nothing: checked once
+            continue
+        seen_items.add(ikey)
         site = item.site
         needs = "q" if site == "attn_scores" else site
         if needs not in config.sites:
@@ -188,6 +202,7 @@ def resolve(
                             'use "last_prompt", "prompt" or prompt positions')
         if item.layers == "all" and not isinstance(item.heads, dict):
             layers = sorted(site_layers)
+        seen: set[int] = set()
         for j, layer in enumerate(layers):
             L = _layer(layer, n, f"{where}.layers[{j}]" if item.layers != "all" else f"{where}.layers")
             if L not in site_layers:
@@ -195,14 +210,24 @@ def resolve(
                                 f"(instrumented: {sorted(site_layers)})",
                                 "start the engine with additional_config vllm_hook.site_layers "
                                 f"including {L}")
+            if L in seen:                 # a layer listed twice (or as -1 and n-1): once
+                continue
+            seen.add(L)
             entry = {"site": site, "layer": L, "sel": sel, "pos": pos}
             if site in ATTN_SITES:
                 total = model.num_kv_heads if site == "k" else model.num_heads
                 entry["heads"] = _heads(item.heads, L, n, total, f"{where}.heads")
             wire_cap.append(entry)
             items.append(dict(entry))
-    dedup = {json.dumps(c, sort_keys=True): c for c in wire_cap}
+    # Equal entries of several items travel once (keyed without re-serialising their lists).
+    dedup: dict[tuple, dict] = {}
+    for c in wire_cap:
+        dedup.setdefault((c["site"], c["layer"], c["sel"], tuple(c["pos"]), tuple(c.get("heads", ()))), c)
     wire_cap = list(dedup.values())
+    if len(wire_cap) > MAX_CAPTURE_ENTRIES:
+        raise SpecError("capture", f"{len(wire_cap)} distinct (site, layer, tokens) captures, more than "
+                        f"{MAX_CAPTURE_ENTRIES}", "merge items that differ only in their tokens, or split "
+                        "the work over requests")
 
     wire_steer, per_layer, digests = [], {}, []
     for i, op in enumerate(spec.steer):
@@ -299,6 +324,29 @@ def resolve(
                     save_dir=spec.save.dir if spec.save else None, steer_digest=steer_digest,
                     reads_cached_prefix=reads_cached_prefix, items=items, dtype=spec.dtype,
                     hooks=len(wire_hooks))
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def capture_bytes(items: list[dict], model: ModelInfo, prompt_len: int, total_len: int) -> int:
+    """Worst-case host bytes of a request's captures on one worker: every row its selectors
+    can pick over `total_len` tokens (prompt + max_tokens), in the model's dtype."""
+    size = _ITEMSIZE.get(model.dtype, 4)
+    rows: dict[tuple[str, int], int] = {}
+    per_row: dict[tuple[str, int], int] = {}
+    for it in items:
+        sel, site = it["sel"], it["site"]
+        n = {"all": total_len, "prompt": prompt_len, "generated": max(total_len - prompt_len, 0),
+             "last_prompt": 1, "last": 2}.get(sel, len(it.get("pos") or ()))
+        key = (site, it["layer"])
+        rows[key] = min(rows.get(key, 0) + n, total_len)
+        heads = len(it.get("heads") or ())
+        per_row[key] = max(per_row.get(key, 0), (
+            heads * prompt_len * 4 if site == "attn_scores"          # float32 weights per key
+            else heads * model.head_dim * size if site in ("q", "k")
+            else model.hidden_size * size))
+    return sum(n * per_row[k] for k, n in rows.items())
 
 
 def _needs_early_prompt(cap: dict, prompt_len: int) -> bool:

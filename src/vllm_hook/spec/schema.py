@@ -22,7 +22,8 @@ MAX_CAPTURE_ITEMS = 1024
 MAX_STEER_OPS = 1024
 MAX_HOOKS = 64
 MAX_LIST = 65536          # positions, layers or heads in one list
-MAX_SPEC_CHARS = 32 << 20  # a spec as JSON text (inline vectors included)
+MAX_SPEC_ENTRIES = 65536  # ... and in all the spec's lists together (each is checked in Python)
+MAX_SPEC_CHARS = 8 << 20   # a spec as JSON text (inline vectors included: base64 is 4x denser)
 
 
 def _integer(v: Any) -> Any:
@@ -209,6 +210,26 @@ def _first_error(err: ValidationError) -> SpecError:
     return SpecError(where, msg, fix)
 
 
+def _check_entries(raw: dict) -> None:
+    """Refuse, before validating, a spec whose integer lists hold more than MAX_SPEC_ENTRIES
+    entries in all: each entry is checked in Python, and 1,024 items of 65,536 positions
+    would keep the API server's event loop busy for seconds. O(items)."""
+    total = 0
+    for key, fields in (("capture", ("layers", "tokens", "heads")), ("steer", ("tokens",))):
+        items = raw.get(key)
+        for item in items if isinstance(items, list) else ():
+            for f in fields:
+                v = item.get(f) if isinstance(item, dict) else None
+                if isinstance(v, list):
+                    total += len(v)
+                elif isinstance(v, dict):
+                    total += sum(len(x) if isinstance(x, list) else 1 for x in v.values())
+    if total > MAX_SPEC_ENTRIES:
+        raise SpecError("spec", f"its layer, token and head lists hold {total} entries, more than "
+                        f"{MAX_SPEC_ENTRIES} in all", 'use selectors ("all", "prompt", "last_prompt", '
+                        "...) and \"all\" layers instead of long lists, or split the work over requests")
+
+
 def parse_spec(raw: Any) -> HookSpec:
     """Validate the shape of a spec given as a dict, a JSON string or a HookSpec."""
     if isinstance(raw, HookSpec):
@@ -219,7 +240,8 @@ def parse_spec(raw: Any) -> HookSpec:
         if len(raw) > MAX_SPEC_CHARS:
             raise SpecError("spec", f"{len(raw)} characters is more than a spec may hold "
                             f"({MAX_SPEC_CHARS})", "register large vectors once "
-                            "(register_vectors, POST /v1/hook/vectors) and name them")
+                            "(register_vectors, POST /v1/hook/vectors) and name them, or send "
+                            'them as {"b64": ...} (the clients do)')
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -230,6 +252,7 @@ def parse_spec(raw: Any) -> HookSpec:
     if not isinstance(raw, dict):
         raise SpecError("spec", f"expected an object, got {type(raw).__name__}",
                         'pass a dict such as {"capture": [...], "steer": [...]}')
+    _check_entries(raw)
     try:
         return HookSpec.model_validate(raw)
     except ValidationError as err:

@@ -18,7 +18,7 @@ from ..adapters.base import AttnLayer, SchedulerEvents, StepView
 from ..config import HookConfig
 from ..delivery.collector import Collector
 from ..delivery.spill import sweep_spilled
-from ..delivery.store import RequestStore, batch_to_wire
+from ..delivery.store import Budget, RequestStore, batch_to_wire
 from ..hooks.state import StateError, encode, encode_collected
 from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
@@ -52,6 +52,7 @@ class HookRequest:
     hooks: RequestHooks | None = None
     hook_results: tuple[list, Any] | None = None                        # (saved trees, event)
     steer_share: str | None = None          # its steering rows are those of this shared entry
+    capture_dropped: bool = False           # its rows passed the worker's in-flight budget
 
 
 @dataclass(eq=False)
@@ -117,6 +118,7 @@ class HookRuntime:
         self.tables = DeviceTables(bufs)
         self.staging = _Staging(bufs)
         self.collector = Collector(bufs.pools, self._deliver)
+        self.budget = Budget(cfg.capture_limits()[1])     # unfetched captures, all requests
         self.requests: dict[str, HookRequest] = {}     # admitted, not yet finished
         self.active: dict[str, HookRequest] = {}       # may still be routed
         self.done: dict[str, HookRequest] = {}         # finished, results waiting for a fetch
@@ -137,7 +139,7 @@ class HookRuntime:
         # steps that repeated the last routing (over repeated_steps: steady decode); events_s
         # admits and finishes requests (once per request, not per step).
         self.timing = dict.fromkeys(("fetches", "fetch_s", "write_s", "hooked_steps", "step_host_s",
-                                     "events_s", "repeated_steps", "repeated_s"), 0.0)
+                                     "events_s", "repeated_steps", "repeated_s", "captures_dropped"), 0.0)
         if cfg.result_spill_dir:
             sweep_spilled(cfg.result_spill_dir, max_age_s=cfg.result_ttl_s)
 
@@ -199,7 +201,7 @@ class HookRuntime:
     def _admit(self, req_id: str, wire: dict) -> None:
         P = int(wire["P"])
         req = HookRequest(req_id=req_id, key=str(wire["key"]), prompt_len=P,
-                          routes=RequestRoutes(P), horizon=-1)
+                          routes=RequestRoutes(P), horizon=-1, store=RequestStore(self.budget))
         self.requests[req_id] = req
         check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points)
         try:
@@ -239,7 +241,7 @@ class HookRuntime:
     def _admit_plain(self, req_id: str, prompt_len: int) -> None:
         """A request without a spec, while persistent hooks are registered."""
         req = HookRequest(req_id=req_id, key="", prompt_len=prompt_len,
-                          routes=RequestRoutes(prompt_len), horizon=-1)
+                          routes=RequestRoutes(prompt_len), horizon=-1, store=RequestStore(self.budget))
         self.requests[req_id] = req
         self._add_hooks(req, ())
         if req.hooks:
@@ -496,8 +498,17 @@ class HookRuntime:
 
     def _deliver(self, seg: Segment, rows: torch.Tensor) -> None:
         req: HookRequest = seg.owner
-        if not req.fetched:
-            req.store.add(seg.points, seg.positions, rows, seg.last_only)
+        if req.fetched or req.capture_dropped:
+            return
+        if not req.store.add(seg.points, seg.positions, rows, seg.last_only):
+            # Bounded memory: this request loses its captures, the others keep theirs.
+            req.capture_dropped = True
+            req.store = RequestStore()
+            self.timing["captures_dropped"] += 1
+            _note(req.errors, f"captures dropped: with the other unfetched results on this worker "
+                  f"they would pass max_inflight_capture_bytes ({self.budget.limit} bytes); fetch "
+                  "results sooner, capture less, or raise additional_config "
+                  "vllm_hook.max_inflight_capture_bytes")
 
     # ---- RPC -------------------------------------------------------------------------------
     def _take(self, keys: list[str]):
@@ -599,6 +610,7 @@ class HookRuntime:
             "active": len(self.active),
             "results_waiting": len(self.done),
             "retained_bytes": sum(r.store.nbytes for r in list(self.done.values()) + list(self.requests.values())),
+            "capture_bytes_in_flight": self.budget.used, "max_inflight_capture_bytes": self.budget.limit,
             "vectors_in_use": self.tables.vectors_in_use,
             "ops_in_use": self.tables.ops_in_use,
             "named_vectors": len(self.named),
