@@ -175,6 +175,16 @@ def test_handle_routes(server):
     assert httpx.delete(f"{server.url}/v1/hook/results/{handle}", headers=auth).status_code == 404
 
 
+def test_clients_raise_not_found_with_a_reason(client):
+    with pytest.raises(vllm_hook.NotFoundError, match="HTTP 404") as e:
+        client._call("GET", "/v1/hook/results/no-such-handle")
+    assert isinstance(e.value, LookupError) and "no-such-handle" in e.value.message
+    with pytest.raises(vllm_hook.NotFoundError, match="is vllm-hook installed"):
+        client._call("GET", "/v1/hook/no-such-route")
+    with pytest.raises(vllm_hook.UnknownVectorError):       # a vector keeps its own class
+        client.generate([5, 6], {"steer": [{"op": "add", "layer": 0, "vector": "nope"}]}, max_tokens=1)
+
+
 def test_chat_with_openai_package_equals_offline(server, refs):
     openai = pytest.importorskip("openai")
     oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)

@@ -38,6 +38,11 @@ class ServerError(Exception):
         self.status, self.message, self.body = status, message, body
 
 
+class NotFoundError(ServerError, LookupError):
+    """HTTP 404 for something other than a steering vector: an unknown result handle (fetched
+    already, or past its TTL), an unknown model, or a server without vllm-hook's routes."""
+
+
 class RemoteSpecError(ServerError, SpecError):
     """The server rejected the spec (HTTP 400); also catchable as `vllm_hook.SpecError`."""
 
@@ -137,12 +142,19 @@ def _raise_for(resp: httpx.Response) -> None:
     try:
         body = resp.json()
         err = body.get("error", body)
-        message = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+        message = (str(err.get("message") or err.get("detail") or err) if isinstance(err, dict)
+                   else str(err))
     except ValueError:
         body, message = resp.text, resp.text
     if "vllm_hook spec error" in message:
         cls = RemoteUnknownVectorError if resp.status_code == 404 else RemoteSpecError
         raise cls(resp.status_code, message, body)
+    if resp.status_code == 404:
+        path = resp.request.url.path
+        if message in ("Not Found", "") and path.startswith("/v1/hook/"):
+            message = (f"{path} does not exist on this server: is vllm-hook installed where "
+                       "`vllm serve` runs (and VLLM_HOOK_DISABLE unset)?")
+        raise NotFoundError(404, message, body)
     raise ServerError(resp.status_code, message, body)
 
 

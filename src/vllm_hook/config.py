@@ -9,10 +9,11 @@ kill switch ``VLLM_HOOK_DISABLE=1``.
 
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import __version__
 
@@ -21,6 +22,26 @@ SITES = ("resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k")
 Site = Literal["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k"]
 # Sites a request may ask for; attn_scores is computed from the captured q (needs site "q").
 SpecSite = Literal["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k", "attn_scores"]
+
+
+class ConfigError(ValueError):
+    """A bad engine setting: names the key, what is wrong and the fix (raised at engine start)."""
+
+    @classmethod
+    def of(cls, err: ValidationError) -> "ConfigError":
+        e = err.errors()[0]
+        key = str(e["loc"][0]) if e["loc"] else "?"
+        where = f"additional_config {CONFIG_KEY}.{'.'.join(str(p) for p in e['loc'] if '[' not in str(p))}"
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(key, HookConfig.model_fields, n=3, cutoff=0.5)
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+            return cls(f"{where}: unknown setting. Fix: {hint}the settings are listed in docs/config.md")
+        field = HookConfig.model_fields.get(key)
+        doc = f" ({field.description.split('. ')[0]})" if field is not None and field.description else ""
+        msgs = [x["msg"].replace("Input should be ", "expected ") for x in err.errors()
+                if x["loc"][:1] == e["loc"][:1]]
+        msg = " or ".join(dict.fromkeys(msgs))          # several when a union's branches all failed
+        return cls(f"{where}: {msg}, got {e.get('input')!r}. Fix: see {key}{doc} in docs/config.md")
 
 
 def host_memory_bytes() -> int:
@@ -191,7 +212,14 @@ class HookConfig(BaseModel):
         raw = (extra or {}).get(CONFIG_KEY) or {}
         if isinstance(raw, HookConfig):
             return raw
-        return cls(**{k: v for k, v in dict(raw).items() if k != "version"})
+        if not isinstance(raw, dict):
+            raise ConfigError(f'additional_config["{CONFIG_KEY}"] must be an object of settings, got '
+                              f"{type(raw).__name__}. Fix: e.g. {{\"{CONFIG_KEY}\": {{\"sites\": "
+                              '["resid_post", "q"]}} (docs/config.md)')
+        try:
+            return cls(**{k: v for k, v in raw.items() if k != "version"})
+        except ValidationError as e:
+            raise ConfigError.of(e) from None
 
     def stamp(self) -> dict:
         """Plain dict for ``additional_config`` (hashed by vLLM into its compile-cache key)."""

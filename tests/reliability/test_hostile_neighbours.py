@@ -223,3 +223,42 @@ def test_a_failing_fetch_keeps_every_output(llm, monkeypatch):
     assert res(run(llm, [ids], [sp({"capture": [{"layers": [0]}]}, max_tokens=2)])[0]).ok
     # The frontend discarded what it could not fetch: nothing waits on the workers.
     assert vllm_hook.stats(llm)["results_waiting"] == 0
+
+
+@pytest.mark.parametrize("where", ["batch layout", "scheduler output"])
+def test_a_changed_vllm_internal_turns_the_plugin_off_not_the_engine(llm, monkeypatch, where):
+    """The runner wrappers read vLLM internals on every step: when one no longer reads (an
+    attribute renamed in a new release, simulated), the engine step goes on, the plugin turns
+    itself off on the worker with the reason logged and in every affected request's results,
+    and nothing is steered any more."""
+    from vllm_hook.adapters import common, v1
+
+    rt = runtime(llm)
+    ids = ids_of(llm, PROMPTS[4])
+    steer = {"steer": [{"op": "add", "layer": 1, "vector": vec(33).tolist(), "scale": 6.0}]}
+    capture = {"capture": [{"layers": [2], "tokens": "all"}]}
+    plain_tokens = list(run(llm, [ids], [sp(None, max_tokens=6)])[0].outputs[0].token_ids)
+
+    def renamed(*a, **k):
+        raise AttributeError("'InputBatch' object has no attribute 'num_reqs'")
+
+    monkeypatch.setattr(v1, "_view", renamed) if where == "batch layout" else monkeypatch.setattr(
+        common, "events", renamed)
+    try:
+        outs = run(llm, [ids] * 3, [sp(steer, max_tokens=6), sp(capture, max_tokens=6), sp(None, max_tokens=6)])
+        assert all(list(o.outputs[0].token_ids) == plain_tokens for o in outs)   # nothing steered
+        for o in outs[:2]:
+            r = vllm_hook.results(o, strict=False)
+            assert any("turned itself off" in e and "AttributeError" in e for e in r.errors), r.errors
+            with pytest.raises(vllm_hook.HookRuntimeError):
+                vllm_hook.results(o)
+        assert rt.off and where in rt.off
+        monkeypatch.undo()
+        # Off for good on this worker: a later request runs unhooked, and says so.
+        later = run(llm, [ids], [sp(steer, max_tokens=6)])[0]
+        assert list(later.outputs[0].token_ids) == plain_tokens
+        assert "turned itself off" in vllm_hook.results(later, strict=False).errors[0]
+    finally:
+        monkeypatch.undo()
+        rt.off = None            # the shared test engine goes on with the plugin on
+    assert res(run(llm, [ids], [sp(capture, max_tokens=2)])[0]).ok

@@ -52,3 +52,20 @@ def test_index_asserts_setting_reaches_the_compile_options(asserts):
     opts = cfg.compilation_config.inductor_compile_config
     assert opts.get("assert_indirect_indexing", True) is asserts
     assert cfg.additional_config["vllm_hook"]["index_asserts"] is asserts
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"site": ["q"]}, ["vllm_hook.site: unknown setting", "did you mean 'sites'"]),
+    ({"sites": ["qq"]}, ["vllm_hook.sites.0", "'resid_post'", "got 'qq'", "docs/config.md"]),
+    ({"max_vectors": 0}, ["vllm_hook.max_vectors", "greater than or equal to 1", "got 0"]),
+    ({"hook_layers": "some"}, ["vllm_hook.hook_layers", "a valid list or expected 'all'", "got 'some'"]),
+    ([1], ["must be an object of settings"]),
+])
+def test_engine_config_errors_name_the_key_and_the_fix(raw, words):
+    from vllm_hook.config import ConfigError, HookConfig
+
+    with pytest.raises(ConfigError) as e:
+        HookConfig.from_additional_config({"vllm_hook": raw})
+    assert isinstance(e.value, ValueError) and "pydantic" not in str(e.value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))

@@ -97,9 +97,30 @@ NO_EVENTS = SchedulerEvents()
 HOOK_STEP = {"on": False}
 
 
+def contained(rt: HookRuntime, what: str, fn, *args) -> Any:
+    """A piece of the plugin's work on the engine's step path (reading the runner's internals
+    included): if it raises, the plugin turns itself off on this worker, with the reason in
+    the log and in every affected request's results, and the engine step goes on unhooked."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        if not rt.off:
+            log.exception("vllm_hook: %s failed", what)
+        rt.disable(f"{what} failed: {e!r}")
+        return None
+
+
+def lifecycle(rt: HookRuntime, scheduler_output: Any) -> None:
+    """The step's admissions and finishes (also while the plugin is off: its requests then
+    get the reason in their results)."""
+    contained(rt, "reading the scheduler output",
+              lambda: rt.on_events(events(scheduler_output, rt.tracks_blocks)))
+
+
 def run_step(rt: HookRuntime, scheduler_output: Any, orig, *args, **kwargs):
     """The runner's execute_model, with the step's hook flag set while it dispatches."""
-    on = rt.hooks_in(scheduler_output.num_scheduled_tokens)
+    on = bool(contained(rt, "reading the scheduled requests",
+                        lambda: rt.hooks_in(scheduler_output.num_scheduled_tokens)))
     HOOK_STEP["on"] = on
     try:
         return orig(*args, **kwargs)

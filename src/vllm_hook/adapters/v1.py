@@ -8,7 +8,7 @@ after the batch was condensed/reordered; dummy and profile runs call the model d
 from __future__ import annotations
 
 from .base import StepView
-from .common import HOOK_STEP, events, load_model_wrapper, require, run_step, runtime_of
+from .common import HOOK_STEP, contained, lifecycle, load_model_wrapper, require, run_step, runtime_of
 from .patching import wrap_method, when_imported
 
 
@@ -17,7 +17,7 @@ def _execute_model(orig):
         rt = runtime_of(self)
         if rt is None:
             return orig(self, scheduler_output, *args, **kwargs)
-        rt.on_events(events(scheduler_output, rt.tracks_blocks))
+        lifecycle(rt, scheduler_output)
         return run_step(rt, scheduler_output, orig, self, scheduler_output, *args, **kwargs)
     return execute_model
 
@@ -39,18 +39,24 @@ def _model_forward(orig):
         rt = runtime_of(self)
         if rt is None or not rt.wants_step():
             return orig(self, *args, **kwargs)
-        ib = self.input_batch
-        n = ib.num_reqs
-        qsl = self.query_start_loc.np[: n + 1]
-        positions = kwargs.get("positions") if "positions" in kwargs else args[1]
-        rt.begin_step(StepView(index=ib.req_id_to_index, query_start_loc=qsl,
-                               num_computed=ib.num_computed_tokens_cpu[:n],
-                               num_tokens=int(qsl[n]),
-                               num_tokens_padded=int(positions.shape[-1])))
+        view = contained(rt, "reading the runner's batch layout", _view, self, args, kwargs)
+        if view is None:
+            return orig(self, *args, **kwargs)
+        rt.begin_step(view)
         out = orig(self, *args, **kwargs)
-        rt.end_step()
+        contained(rt, "queuing capture copies", rt.end_step)
         return out
     return model_forward
+
+
+def _view(runner, args, kwargs) -> StepView:
+    ib = runner.input_batch
+    n = ib.num_reqs
+    qsl = runner.query_start_loc.np[: n + 1]
+    positions = kwargs.get("positions") if "positions" in kwargs else args[1]
+    return StepView(index=ib.req_id_to_index, query_start_loc=qsl,
+                    num_computed=ib.num_computed_tokens_cpu[:n], num_tokens=int(qsl[n]),
+                    num_tokens_padded=int(positions.shape[-1]))
 
 
 def _patch_gpu_runner(mod) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from .base import StepView
-from .common import HOOK_STEP, events, load_model_wrapper, require, run_step, runtime_of
+from .common import HOOK_STEP, contained, lifecycle, load_model_wrapper, require, run_step, runtime_of
 from .patching import wrap_method, when_imported
 
 log = logging.getLogger("vllm_hook")
@@ -22,9 +22,9 @@ def _execute_model(orig):
         rt = runtime_of(self)
         if rt is None or kwargs.get("dummy_run"):
             return orig(self, scheduler_output, *args, **kwargs)
-        rt.on_events(events(scheduler_output, rt.tracks_blocks))
+        lifecycle(rt, scheduler_output)
         out = run_step(rt, scheduler_output, orig, self, scheduler_output, *args, **kwargs)
-        rt.end_step()
+        contained(rt, "queuing capture copies", rt.end_step)
         return out
     return execute_model
 
@@ -115,13 +115,17 @@ def _prepare_inputs(orig):
         ib = orig(self, *args, **kwargs)
         rt = runtime_of(self)
         if rt is not None and rt.wants_step():
-            rt.begin_step(StepView(index={r: i for i, r in enumerate(ib.req_ids)},
-                                   query_start_loc=ib.query_start_loc_np,
-                                   num_computed=ib.num_computed_tokens_np,
-                                   num_tokens=int(ib.num_tokens),
-                                   num_tokens_padded=int(ib.num_tokens_after_padding)))
+            view = contained(rt, "reading the runner's batch layout", _view, ib)
+            if view is not None:
+                rt.begin_step(view)
         return ib
     return prepare_inputs
+
+
+def _view(ib) -> StepView:
+    return StepView(index={r: i for i, r in enumerate(ib.req_ids)}, query_start_loc=ib.query_start_loc_np,
+                    num_computed=ib.num_computed_tokens_np, num_tokens=int(ib.num_tokens),
+                    num_tokens_padded=int(ib.num_tokens_after_padding))
 
 
 def _patch(mod) -> None:

@@ -133,6 +133,7 @@ class HookRuntime:
         self.repeat = StepRepeat()
         self._trash = (bufs.shape.pool_rows + np.arange(bufs.shape.max_tokens) % TRASH_ROWS)
         self.steps_routed = 0
+        self.off: str | None = None          # why the plugin turned itself off (disable)
         # Seconds spent in fetches (draining copies, writing results), summed.
         # The plugin's host time on the step path: step_host_s routes and queues copies (over
         # hooked_steps: what a hooked step adds to vLLM's host work), repeated_s the part of it in
@@ -170,6 +171,35 @@ class HookRuntime:
         self._guarded(None, self._expire)
         self.timing["events_s"] += time.perf_counter() - t0
 
+    def disable(self, reason: str) -> None:
+        """Turn the plugin's work off on this worker after a failure on the step path (an
+        internal of vLLM that changed, say): every admitted request gets the reason in its
+        results and runs unhooked from now on, as does every later one; nothing steers or
+        hooks any more. Lifecycle bookkeeping and fetches go on, so the errors reach the
+        requests."""
+        if self.off:
+            return
+        self.off = reason
+        log.error("vllm_hook: turned off on this worker: %s. Requests run unhooked from now on, "
+                  "with this error in their results.", reason)
+        msg = self._off_message()
+        for req in list(self.requests.values()) + list(self.done.values()):
+            _note(req.errors, msg)
+        for rid in list(self.requests):        # preempted ones too: none may resume routing
+            self._fail(rid, msg)
+        self.active.clear()
+        for req in list(self.hooked.values()):
+            self._finish_hooks(req)
+        if self.hooks is not None:
+            self.hooks.clear_plan()
+        self.repeat.forget()
+        self._step = self._repeated = None
+        self._steer_dirty = 0
+        self.bufs.op_idx.zero_()             # no stale steering in any later step
+
+    def _off_message(self) -> str:
+        return f"vllm_hook turned itself off on this worker ({self.off}): nothing was captured, steered or hooked"
+
     def _guarded(self, req_id: str | None, fn, *args) -> None:
         try:
             fn(*args)
@@ -203,6 +233,9 @@ class HookRuntime:
         req = HookRequest(req_id=req_id, key=str(wire["key"]), prompt_len=P,
                           routes=RequestRoutes(P), horizon=-1, store=RequestStore(self.budget))
         self.requests[req_id] = req
+        if self.off:
+            req.errors.append(self._off_message())
+            return
         check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points)
         try:
             steer = self._steering_of(req, wire.get("steer", ()), wire.get("sd"))
@@ -240,6 +273,8 @@ class HookRuntime:
 
     def _admit_plain(self, req_id: str, prompt_len: int) -> None:
         """A request without a spec, while persistent hooks are registered."""
+        if self.off:
+            return
         req = HookRequest(req_id=req_id, key="", prompt_len=prompt_len,
                           routes=RequestRoutes(prompt_len), horizon=-1, store=RequestStore(self.budget))
         self.requests[req_id] = req
@@ -539,6 +574,10 @@ class HookRuntime:
             extra = self._hook_tensors(req, meta)
             entries[req.key].append({"req_id": rid, "j": len(parts)})
             parts.append((meta, store._tensors(extra)))
+        if self.off:        # requests this worker never saw (admission was what failed)
+            for k in [k for k, e in entries.items() if not e]:
+                entries[k].append({"req_id": k, "j": len(parts)})
+                parts.append(({"req_id": k, "errors": [self._off_message()], "rank": self.rank}, {}))
         t1 = time.perf_counter()
         payload = batch_to_wire(parts, spill) if parts else None
         self.timing["write_s"] += time.perf_counter() - t1
