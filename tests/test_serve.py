@@ -33,6 +33,7 @@ H = 128
 INLINE = 4096            # max_inline_result_bytes of the test server: bigger results go by handle
 MAX_BODY = 1 << 20       # max_request_bytes of the test server
 HOOK_CONFIG = {"max_inline_result_bytes": INLINE, "max_request_bytes": MAX_BODY,
+               "max_capture_bytes_per_request": 1 << 20,
                "sites": ["resid_post", "resid_pre", "attn_out", "mlp_out", "q", "k"], "projection_layers": "all",
                "hook_layers": "all", "hook_modules": ["tests.helpers.operator_hooks"]}
 ENGINE = dict(dtype="float32", max_model_len=512, enforce_eager=True, kv_cache_memory_bytes=64 << 20)
@@ -319,6 +320,91 @@ def test_bad_spec_status(server, client, case, route, stream):
     err = r.json()["error"]
     assert needle in err["message"] and "Fix:" in err["message"] and err["code"] == status
     _good_request_works(client)
+
+
+def test_bad_input_corpus_over_http(server, client, refs):
+    """Every input of tests/reliability/corpus.py gets its 4xx with a message naming the field
+    and the fix, on one keep-alive connection, each followed by a valid request on it; then a
+    request still equals its offline result."""
+    from collections import Counter
+
+    from tests.reliability import corpus
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    ids, spec, n = CASES["capture_last_prompt"]
+    good = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": n, "temperature": 0,
+            "vllm_xargs": {"vllm_hook": json.dumps(spec)}}
+    statuses, wrong = Counter(), []
+
+    def check(name, r, status, words, fix):
+        statuses[r.status_code] += 1
+        try:
+            body = r.json()
+            err = body.get("error", body) if isinstance(body, dict) else body
+            msg = str(err.get("message") or err.get("detail") or err) if isinstance(err, dict) else str(err)
+        except ValueError:
+            msg = r.text
+        missing = [w for w in words + (["Fix:"] if fix else []) if w not in msg]
+        if r.status_code != status or missing:
+            wrong.append(f"{name}: HTTP {r.status_code} (want {status}), missing {missing}: {msg[:300]}")
+
+    with httpx.Client(base_url=server.url, timeout=120) as http:      # headers per request
+        def after(name):
+            r = http.post("/v1/completions", json=good, headers=auth)
+            if r.status_code != 200:
+                wrong.append(f"{name}: the next valid request got HTTP {r.status_code}")
+
+        for name, (spec_, status, words) in corpus.SPECS.items():
+            raw = spec_ if isinstance(spec_, str) else json.dumps(spec_)
+            body = {**good, "max_tokens": corpus.BIG_MAX_TOKENS.get(name, 2), "vllm_xargs": {"vllm_hook": raw}}
+            status = corpus.HTTP_STATUS.get(name, (status, words))[0]
+            words = corpus.HTTP_STATUS.get(name, (status, words))[1]
+            check(name, http.post("/v1/completions", json=body, headers=auth), status, words,
+                  fix=name not in corpus.HTTP_STATUS)
+            after(name)
+        for name, (vbody, status, words) in corpus.VECTORS.items():
+            r = http.post("/v1/hook/vectors", content=json.dumps(vbody).encode(),   # NaN as JSON's NaN
+                          headers={**auth, "content-type": "application/json"})
+            check(name, r, status, words, fix=False)
+            after(name)
+        for name, (method, path, kw, status, words) in corpus.HTTP.items():
+            kw = dict(kw)
+            headers = dict(auth)
+            a = kw.pop("auth", True)
+            if a is False:
+                headers.pop("Authorization")
+            elif isinstance(a, str):
+                headers["Authorization"] = f"Bearer {a}"
+            if kw.pop("json_type", False):
+                headers["content-type"] = "application/json"
+            if "xargs" in kw:
+                kw["json"] = {**good, "vllm_xargs": kw.pop("xargs")}
+            r = http.request(method, path, headers=headers, **kw)
+            check(name, r, status, words, fix=False)
+            after(name)
+    print(f"\n[corpus over HTTP] {corpus.counts()}; statuses {dict(sorted(statuses.items()))}")
+    assert not wrong, "\n".join(wrong)
+    assert all(400 <= s < 500 for s in statuses)
+
+    async def neighbours():
+        """Every bad spec at once, beside good requests: the good ones equal their solo runs."""
+        async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=300) as ah, \
+                vllm_hook.AsyncClient(server.url, api_key=API_KEY) as ac:
+            bad = [ah.post("/v1/completions", json={
+                **good, "max_tokens": corpus.BIG_MAX_TOKENS.get(name, 2),
+                "vllm_xargs": {"vllm_hook": s_ if isinstance(s_, str) else json.dumps(s_)}})
+                for name, (s_, _, _) in corpus.SPECS.items() if name not in corpus.HTTP_STATUS]
+            goods = [ac.generate(CASES[c][0], CASES[c][1], max_tokens=CASES[c][2], temperature=0)
+                     for c in ("capture_all", "steer_norm_match", "capture_last_prompt") * 3]
+            got = await asyncio.gather(*bad, *goods)
+            return got[:len(bad)], got[len(bad):]
+
+    bad, goods = asyncio.run(neighbours())
+    assert [r.status_code for r in bad if not 400 <= r.status_code < 500] == []
+    for c, out in zip(("capture_all", "steer_norm_match", "capture_last_prompt") * 3, goods):
+        _check_case(c, out, refs)
+    _check_case("capture_last_prompt", client.generate(ids, spec, max_tokens=n, temperature=0), refs)
+    assert client.health()["pending_requests"] == 0
 
 
 def test_hostile_inputs_keep_the_connection(server):

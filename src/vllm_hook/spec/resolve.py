@@ -270,9 +270,10 @@ def resolve(
                             f'including {L} (or "all"), or use a plain add')
         for c in coef[:3]:
             if not math.isfinite(c):
-                raise SpecError(where, "scale is NaN or infinite", "pass a finite scale")
-        if any(math.isnan(c) for c in coef[3:]):
-            raise SpecError(where, "min/max is NaN", "pass finite bounds")
+                raise SpecError(f"{where}.scale", f"scale is {c}", "pass a finite number")
+        for name, c in (("min", coef[3]), ("max", coef[4])):
+            if math.isnan(c):
+                raise SpecError(f"{where}.{name}", f"{name} is NaN", "pass a finite number or leave it out")
         for name, c in (("scale", max(abs(coef[1]), abs(coef[2] + 1.0) if coef[2] else 0.0)),
                         ("min", abs(coef[3])), ("max", abs(coef[4]))):
             if math.isfinite(c) and c > bound:

@@ -9,7 +9,7 @@ import json
 import numbers
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
 from ..config import SpecSite
 from ..hooks.hook import Hook
@@ -80,7 +80,7 @@ class AddOp(_SteerBase):
 
     op: Literal["add"]
     scale: Float = 1.0
-    norm_match: bool = False
+    norm_match: StrictBool = False      # "yes" or 1 would read as true
 
 
 class CapOp(_SteerBase):

@@ -23,12 +23,21 @@ def decode_vector(value: Any, where: str) -> np.ndarray | str:
         return _from_b64(value, where)
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
         value = value.detach().float().cpu().numpy()
+    fix = 'pass a list of floats, a numpy array, a torch tensor, {"b64": ..., "dtype": "float32"} or a registered name'
     try:
-        arr = np.asarray(value, dtype=np.float32)
+        raw = np.asarray(value)
     except (TypeError, ValueError, RecursionError):
-        raise SpecError(where, f"cannot read a vector from {type(value).__name__}",
-                        "pass a list of floats, a numpy array, a torch tensor, "
-                        '{"b64": ..., "dtype": "float32"} or a registered name') from None
+        raise SpecError(where, f"cannot read a vector from {type(value).__name__}", fix) from None
+    if raw.dtype.kind not in "fiu":      # bools, strings, objects (ragged or mixed lists)
+        what = {"b": "booleans", "U": "strings", "S": "bytes"}.get(raw.dtype.kind, "values that are not all numbers")
+        raise SpecError(where, f"a vector's values must be numbers, got {what}", fix)
+    with np.errstate(over="ignore", invalid="ignore"):
+        arr = raw.astype(np.float32)
+    if raw.dtype.kind == "f" and raw.dtype.itemsize > 4:
+        over = int((np.isfinite(raw) & ~np.isfinite(arr)).sum())
+        if over:
+            raise SpecError(where, f"{over} values are beyond float32's range (|v| <= 3.4e38)",
+                            "scale the vector down; the steering scale carries its size")
     if arr.ndim != 1:
         raise SpecError(where, f"expected a 1-D vector, got shape {tuple(arr.shape)}",
                         "pass one vector of size hidden_size")
