@@ -48,6 +48,10 @@ def test_bad_input_corpus_offline(llm):
             msg = str(e)
             if status == 404 and not isinstance(e, vllm_hook.UnknownVectorError):
                 wrong.append(f"{name}: {type(e).__name__}, want UnknownVectorError")
+        left = vllm_hook.stats(llm)
+        if left["active"] or left["results_waiting"]:     # a refused call leaves nothing behind
+            wrong.append(f"{name}: left active={left['active']} waiting={left['results_waiting']}")
+            break
         missing = [w for w in words + ["Fix:", "prompts[1]."] if w not in msg]
         if missing:
             wrong.append(f"{name}: missing {missing}: {msg[:300]}")

@@ -555,6 +555,7 @@ class HookRuntime:
             for rid, req in list(pool.items()):
                 if req.key in wanted and not req.fetched:
                     self._finish_hooks(req)
+                    self.active.pop(rid, None)   # finished: it is never routed again
                     store, req.store, req.fetched = req.store, RequestStore(), True
                     self.done.pop(rid, None)
                     yield rid, req, store
