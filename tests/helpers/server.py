@@ -40,13 +40,16 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(hook_config: dict, arch: str = "qwen2"):
-    """Start `vllm serve` with `hook_config` as vllm_hook's engine config; stop it after."""
+def serving(hook_config: dict, arch: str = "qwen2", env_extra: dict | None = None):
+    """Start `vllm serve` with `hook_config` as vllm_hook's engine config; stop it after.
+    `env_extra`: environment variables for the server (a soak's baseline runs it with
+    VLLM_HOOK_DISABLE=1)."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="vllm_hook_serve_")) / "server.log"
     env = {k: v for k, v in os.environ.items()
            if k not in ("VLLM_PLUGINS", "VLLM_HOOK_DISABLE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    env.update(env_extra or {})
     cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
            "--model", tiny_model(arch), "--dtype", "float32", "--max-model-len", "512",
            "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",

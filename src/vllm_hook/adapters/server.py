@@ -210,7 +210,14 @@ async def _encode(serving: Any, sink: encode.Sink) -> dict:
     return await asyncio.to_thread(encode.payload, sink, sv.store, sv.frontend.cfg)
 
 
-async def _relay(serving: Any, first: str | None, stream, sink: encode.Sink):
+async def _gone(raw_request: Any) -> bool:
+    try:
+        return raw_request is not None and await raw_request.is_disconnected()
+    except Exception:  # a transport without disconnect detection: assume the client is there
+        return False
+
+
+async def _relay(serving: Any, first: str | None, stream, sink: encode.Sink, raw_request: Any = None):
     meta: dict = {}
     try:
         if first is not None:
@@ -223,7 +230,16 @@ async def _relay(serving: Any, first: str | None, stream, sink: encode.Sink):
                     # Admitted after the stream started (a later prompt of a batch): too late
                     # for an HTTP status, so an error event as vLLM sends them.
                     yield f"data: {json.dumps(error_body(str(err), *status_of(err)))}\n\n"
-                yield encode.stream_chunk(meta, await _encode(serving, sink))
+                if await _gone(raw_request):
+                    # uvicorn drops sends to a closed connection silently: results kept by
+                    # handle now would wait for a client that left until result_ttl_s.
+                    return
+                body = await _encode(serving, sink)
+                try:
+                    yield encode.stream_chunk(meta, body)
+                except BaseException:     # closed at the last event: nobody gets the handles
+                    _drop_handles(serving, body)
+                    raise
             elif not meta and isinstance(chunk, str) and chunk.startswith("data:"):
                 meta = encode.chunk_meta(chunk)
             yield chunk
@@ -231,7 +247,14 @@ async def _relay(serving: Any, first: str | None, stream, sink: encode.Sink):
         await stream.aclose()
 
 
-async def _streaming(serving: Any, stream, sink: encode.Sink):
+def _drop_handles(serving: Any, body: dict) -> None:
+    store = served_of(serving.engine_client).store
+    for e in body.get("results", ()):
+        if e.get("handle"):
+            store.delete(e["handle"])
+
+
+async def _streaming(serving: Any, stream, sink: encode.Sink, raw_request: Any = None):
     # Pull the first event now: a spec is admitted when the stream starts, and an invalid one
     # must become an HTTP error, not a 200 stream carrying an error event.
     first, failure = None, None
@@ -247,7 +270,7 @@ async def _streaming(serving: Any, stream, sink: encode.Sink):
         return _error(serving, err)
     if failure is not None:
         raise failure
-    return _relay(serving, first, stream, sink)
+    return _relay(serving, first, stream, sink, raw_request)
 
 
 def _create(orig):
@@ -273,7 +296,8 @@ def _create(orig):
             # vLLM's response models allow extra fields: this one is serialised with the rest.
             result.vllm_hook = await _encode(self, sink)
             return result
-        return await _streaming(self, result, sink)
+        raw_request = args[0] if args else kwargs.get("raw_request")
+        return await _streaming(self, result, sink, raw_request)
     return create
 
 
