@@ -200,6 +200,29 @@ def test_chat_with_openai_package_equals_offline(server, refs):
     _same(got, ref, "chat")
 
 
+def test_vllm_lens_style_arguments_over_http(server, client):
+    """output_residual_stream and apply_steering_vectors (SteeringVector.to_json, a 3-D vector)
+    in vllm_xargs through the plain openai client equal our spec."""
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    sv = vllm_hook.SteeringVector(activations=torch.stack([vec(40), vec(41), vec(42)])[None],
+                                  layer_indices=[1], scale=2.0, position_indices=[1, 3, 5])
+    resp = oc.completions.create(
+        model=tiny_model("qwen2"), prompt=P2, max_tokens=3, temperature=0,
+        extra_body={"vllm_xargs": {"output_residual_stream": [2],
+                                   "apply_steering_vectors": json.dumps([sv.to_json()])},
+                    "return_token_ids": True})
+    (got,) = client.results_of(resp)
+    ours = client.generate(P2, {"capture": [{"layers": [2], "tokens": "all"}], "steer": sv.ops()},
+                           max_tokens=3, temperature=0)
+    assert resp.choices[0].token_ids == ours.token_ids
+    assert torch.equal(got.residual_stream, ours.results.stacked()) and got.residual_stream.shape[0] == 1
+    bad = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                     json={"model": tiny_model("qwen2"), "prompt": P2, "max_tokens": 1,
+                           "vllm_xargs": {"apply_steering_vectors": "[{\"layer_indices\": [1]}]"}})
+    assert bad.status_code == 400 and "apply_steering_vectors[0]" in bad.text, bad.text
+
+
 def test_client_chat_equals_offline(client, refs):
     out = client.chat(CHAT, CASES["capture_all"][1], max_tokens=5, temperature=0)
     tokens, ref = refs["chat"]

@@ -53,6 +53,24 @@ class Results:
     def ok(self) -> bool:
         return not self.errors
 
+    def stacked(self, site: str = "resid_post", layers=None) -> torch.Tensor:
+        """One site's captures as one tensor `(n_layers, n_positions, width)` (layers ascending
+        unless given; every layer must hold the same positions)."""
+        by_layer = self.activations.get(site, {})
+        order = sorted(by_layer) if layers is None else [int(L) for L in layers]
+        missing = [L for L in order if L not in by_layer]
+        if missing or not order:
+            raise KeyError(f"no {site} capture at layers {missing or order} (captured: {sorted(by_layer)})")
+        first = self.positions[site][order[0]]
+        if any(not torch.equal(self.positions[site][L], first) for L in order[1:]):
+            raise ValueError(f"{site} layers hold different positions; index activations per layer")
+        return torch.stack([by_layer[L] for L in order])
+
+    @property
+    def residual_stream(self) -> torch.Tensor:
+        """vllm-lens's view: resid_post of every captured layer, `(n_layers, n_positions, hidden)`."""
+        return self.stacked("resid_post")
+
     def raise_for_errors(self) -> "Results":
         if self.errors:
             raise HookRuntimeError(f"request {self.request_id}: " + "; ".join(self.errors))

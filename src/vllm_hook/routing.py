@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -201,3 +201,39 @@ _ARANGE = np.arange(4096, dtype=np.int64)
 
 def _offsets(n: int) -> np.ndarray:
     return _ARANGE[:n] if n <= len(_ARANGE) else np.arange(n, dtype=np.int64)
+
+
+def op_slots(ops: Sequence[tuple[str, Sequence[int]]]) -> tuple[list[int], list[list[int | None]], bool]:
+    """Slots of one layer's ops of one request, in spec order, from their selectors.
+
+    An op goes one slot above every earlier op whose rows it may share: explicit position
+    lists share rows only where they intersect, a named selector with every op. So ops on
+    disjoint positions (a per-position vector) share one slot. Returns the slots; per op, for
+    each lower slot, the earlier op there that shares its rows (None: none; -1: several, on
+    different positions); and whether any op has such a -1 (the projection math of a row then
+    depends on which op the row met, which one op row cannot hold)."""
+    slots: list[int] = []
+    earlier: list[list[int | None]] = []
+    ambiguous = False
+    owners: dict[int, list[tuple[int, int]]] = {}   # position -> (slot, op) of pos ops there
+    named_ops: list[int] = []
+    for i, (sel, pos) in enumerate(ops):
+        if sel == "pos":
+            met = {(slots[j], j) for j in named_ops}
+            for p in pos:
+                met.update(owners.get(p, ()))
+        else:
+            met = {(slots[j], j) for j in range(i)}
+        s = 1 + max((sl for sl, _ in met), default=-1)
+        prev: list[int | None] = [None] * s
+        for sl, j in met:
+            prev[sl] = j if prev[sl] is None or prev[sl] == j else -1
+        ambiguous = ambiguous or -1 in prev
+        slots.append(s)
+        earlier.append(prev)
+        if sel == "pos":
+            for p in pos:
+                owners.setdefault(p, []).append((s, i))
+        else:
+            named_ops.append(i)
+    return slots, earlier, ambiguous

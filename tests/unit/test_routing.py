@@ -228,3 +228,17 @@ def test_step_repeat_checks_the_layout_every_step():
                           (entries, True)):
         rep.remember(_view({"x": 0, "a": 1}, [9, 5]), routing, ents, routes_changed=changed)
         assert rep.next(_view({"x": 0, "a": 1}, [10, 6])) is None
+
+
+def test_op_slots_share_a_slot_on_disjoint_positions():
+    from vllm_hook.routing import op_slots
+
+    assert op_slots([("all", []), ("all", [])]) == ([0, 1], [[], [0]], False)
+    # a vector per position: one slot
+    assert op_slots([("pos", [3]), ("pos", [4]), ("pos", [5])]) == ([0, 0, 0], [[], [], []], False)
+    # a named op first: every per-position op sits above it
+    assert op_slots([("all", []), ("pos", [4]), ("pos", [5])]) == ([0, 1, 1], [[], [0], [0]], False)
+    # a named op after several per-position ops of one slot meets a different op on each row
+    assert op_slots([("pos", [3]), ("pos", [4]), ("all", [])]) == ([0, 0, 1], [[], [], [-1]], True)
+    # overlapping position lists stack
+    assert op_slots([("pos", [1, 2]), ("pos", [2, 3]), ("pos", [5])])[0] == [0, 1, 0]

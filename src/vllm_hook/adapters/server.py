@@ -30,6 +30,7 @@ from ..server import encode
 from ..server.errors import check_served_spec, error_body, spec_error_of, status_of
 from ..server.store import ResultStore
 from ..spec.errors import SpecError, UnknownVectorError
+from ..spec.lens import has_lens_args, translate
 from ..spec.schema import SPEC_KEY
 from .patching import when_imported, wrap_method
 
@@ -147,6 +148,8 @@ def _generate(orig):
         agen = orig(self, *args, **kwargs)
         sp = args[1] if len(args) > 1 else kwargs.get("sampling_params")
         extra = getattr(sp, "extra_args", None)
+        if has_lens_args(extra):       # AsyncLLM called directly with vllm-lens-style arguments
+            extra = sp.extra_args = translate(extra)[0]
         request_id = str(args[2] if len(args) > 2 else kwargs.get("request_id"))
         if not extra or SPEC_KEY not in extra:
             st = maybe_state(self.input_processor)
@@ -275,6 +278,14 @@ async def _streaming(serving: Any, stream, sink: encode.Sink, raw_request: Any =
 
 def _create(orig):
     async def create(self, request, *args, **kwargs):
+        xargs = getattr(request, "vllm_xargs", None) or {}
+        if has_lens_args(xargs):
+            try:   # vllm-lens-style arguments: folded into our spec, as JSON text
+                folded, _ = translate(xargs)
+                folded[SPEC_KEY] = json.dumps(folded[SPEC_KEY])
+            except SpecError as e:
+                return _error(self, e)
+            request.vllm_xargs = folded
         raw = (getattr(request, "vllm_xargs", None) or {}).get(SPEC_KEY)
         if raw is None:
             return await orig(self, request, *args, **kwargs)

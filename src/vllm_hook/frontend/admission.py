@@ -6,11 +6,13 @@ OpenAI server answers HTTP 400.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
 
 from ..spec.errors import SpecError
+from ..spec.lens import has_lens_args, translate
 from ..spec.resolve import capture_bytes, resolve
 from ..spec.schema import SPEC_KEY, parse_spec
 from .cache import cache_key
@@ -56,6 +58,10 @@ def admit(input_processor: Any, request_id: str, request: Any) -> None:
 def _admit(input_processor: Any, request_id: str, request: Any) -> None:
     sp = getattr(request, "sampling_params", None)
     extra = getattr(sp, "extra_args", None)
+    stack = None
+    if has_lens_args(extra):
+        extra, stack = translate(extra)
+        sp.extra_args = extra
     if not extra or SPEC_KEY not in extra:
         st = maybe_state(input_processor)
         if st is not None and st.persistent_hooks and sp is not None:
@@ -83,6 +89,8 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
                       allow_pickles=allow_pickles(st))
         if cache is not None:
             st.resolved.put(cache, prompt_len, res, keep)
+    if stack is not None:
+        res = dataclasses.replace(res, stack_layers=tuple(stack))
     if res.items:
         _check_capture_bytes(st, res, prompt_len, sp)
     sp.extra_args = {**rest, SPEC_KEY: res.wire}

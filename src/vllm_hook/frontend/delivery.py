@@ -145,10 +145,23 @@ def _attach_all(st: FrontendState, todo: list, fetched: dict, failure: str | Non
             setattr(out, ATTR, failed(out, failure))
             continue
         try:
-            setattr(out, ATTR, results_for(st, out, fetched.get(res.key, []), res, opened))
+            got = results_for(st, out, fetched.get(res.key, []), res, opened)
+            setattr(out, ATTR, got)
+            if res.stack_layers and not isinstance(got, list):
+                _lens_view(out, got, res.stack_layers)
         except Exception as e:    # one request's results, not the batch's
             log.exception("vllm_hook: building the results of %s failed", out.request_id)
             setattr(out, ATTR, failed(out, f"results could not be assembled: {e!r}"))
+
+
+def _lens_view(out: Any, r: Results, layers: tuple[int, ...]) -> None:
+    """vllm-lens's `out.activations["residual_stream"]`, `(n_layers, n_positions, hidden)`."""
+    try:
+        out.activations = {"residual_stream": r.stacked("resid_post", layers)}
+    except (KeyError, ValueError) as e:   # rows missing: the errors say why
+        out.activations = {}
+        if r.ok:
+            r.errors.append(f"output_residual_stream: {e}")
 
 
 class FetchBatcher:

@@ -84,6 +84,7 @@ class Resolved:
     items: list[dict] = field(default_factory=list)
     dtype: str = "float32"
     hooks: int = 0                 # hooks in the spec: Results.hook_results has one per hook
+    stack_layers: tuple[int, ...] | None = None   # vllm-lens output_residual_stream: out.activations
 
     @property
     def fetches(self) -> bool:
@@ -233,10 +234,6 @@ def resolve(
     for i, op in enumerate(spec.steer):
         where = f"steer[{i}]"
         L = _layer(op.layer, n, f"{where}.layer")
-        per_layer[L] = per_layer.get(L, 0) + 1
-        if per_layer[L] > config.max_ops_per_layer:
-            raise SpecError(f"{where}.layer", f"more than {config.max_ops_per_layer} steering ops at layer {L}",
-                            "merge ops, or raise additional_config vllm_hook.max_ops_per_layer")
         sel, pos = _selector(op.tokens, prompt_len, f"{where}.tokens")
         if max_model_len and pos and pos[-1] >= max_model_len:
             raise SpecError(f"{where}.tokens", f"position {pos[-1]} is beyond max_model_len={max_model_len}",
@@ -258,6 +255,7 @@ def resolve(
             assert isinstance(op, AblateOp)
             coef = [0.0, 0.0, op.scale - 1.0, -inf, inf]
             need_norm = True
+        per_layer.setdefault(L, []).append((i, need_norm))
         if not need_norm and L not in config.steering_layers(n):
             raise SpecError(f"{where}.layer", f"this engine has no steering at layer {L}",
                             "start the engine with additional_config vllm_hook.steer_layers "
@@ -303,6 +301,7 @@ def resolve(
         digests.append([L, sel, pos, coef, digest])
         wire_steer.append(entry)
 
+    _check_slots(wire_steer, per_layer, config.max_ops_per_layer)
     steer_digest = None
     if wire_steer:
         blob = json.dumps(digests, sort_keys=True, default=str).encode()
@@ -325,6 +324,29 @@ def resolve(
                     save_dir=spec.save.dir if spec.save else None, steer_digest=steer_digest,
                     reads_cached_prefix=reads_cached_prefix, items=items, dtype=spec.dtype,
                     hooks=len(wire_hooks))
+
+
+def _check_slots(wire_steer: list[dict], per_layer: dict[int, list[tuple[int, bool]]], K: int) -> None:
+    """At most K ops on any row of a layer (ops on disjoint positions share a slot), and the
+    projection math well defined (`routing.op_slots`)."""
+    from ..routing import op_slots
+
+    for L, ops in per_layer.items():
+        idx = [i for i, _ in ops]
+        if len(idx) == 1:
+            continue
+        slots, _, ambiguous = op_slots([(wire_steer[i]["sel"], wire_steer[i]["pos"]) for i in idx])
+        for i, slot in zip(idx, slots):
+            if slot >= K:
+                raise SpecError(f"steer[{i}].layer", f"more than {K} steering ops on one token at layer {L}",
+                                "merge ops, give them disjoint token positions, or raise "
+                                "additional_config vllm_hook.max_ops_per_layer")
+        if ambiguous and any(norm for _, norm in ops):
+            i = next(i for i, norm in ops if norm)
+            raise SpecError(f"steer[{i}]", f"at layer {L}, an op covers tokens of several per-position ops "
+                            "of one slot, and a projection op (cap, ablate or norm_match) is there too",
+                            "steer those positions with one vector each, or move the projection op to "
+                            "another layer")
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

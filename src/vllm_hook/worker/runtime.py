@@ -22,7 +22,7 @@ from ..delivery.store import Budget, RequestStore, batch_to_wire
 from ..hooks.state import StateError, encode, encode_collected
 from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
-from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, route_step
+from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, op_slots, route_step
 from .attention_jobs import AttnJob, scores_for_step
 from .repeat import StepRepeat
 from .hooks import RequestHooks, WorkerHooks
@@ -105,6 +105,21 @@ class _Staging:
         event.record()
         self._sets[self._turn] = (op, cap, event)
         self._turn ^= 1
+
+
+def _slots_by_op(ops) -> list[tuple[int, list]]:
+    """(slot, earlier op index per lower slot) of each op of a request's steering."""
+    by_layer: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        by_layer.setdefault(int(op["layer"]), []).append(i)
+    out: list[tuple[int, list]] = [(0, [])] * len(ops)
+    for idx in by_layer.values():
+        if len(idx) == 1:
+            continue
+        slots, earlier, _ = op_slots([(ops[i]["sel"], ops[i]["pos"]) for i in idx])
+        for i, s, prev in zip(idx, slots, earlier):
+            out[i] = (s, [idx[j] if j is not None and j >= 0 else j for j in prev])
+    return out
 
 
 class HookRuntime:
@@ -308,22 +323,23 @@ class HookRuntime:
         shape = self.bufs.shape
         K = shape.ops_per_layer
         params, vec_rows, cols, sels = [], [], [], []
-        earlier: dict[int, list[int]] = {}          # layer -> vector rows of its earlier ops
+        slot_of = _slots_by_op(ops)
         try:
-            for op in ops:
+            for i, op in enumerate(ops):
                 values = np.frombuffer(op["vec"], dtype=np.float32) if "vec" in op else self.named[op["name"]]
                 row = self.tables.acquire_vector(op["digest"], values)
                 req.vec_rows.append(row)
                 vec_rows.append(row)
-                L = int(op["layer"])
-                prev = earlier.setdefault(L, [])
-                cols.append(op_col(shape, L, len(prev)))
+                slot, prev = slot_of[i]
+                cols.append(op_col(shape, int(op["layer"]), slot))
                 c_add, c_norm, c_abl, lo, hi = (float(x) for x in op["c"])
-                u = self.tables.units[row]
-                gram = [float(np.dot(u.astype(np.float64), self.tables.units[r])) for r in prev]
+                u = self.tables.units[row].astype(np.float64)
+                # G with the op each lower slot holds on this op's rows (none: 0; several:
+                # refused at admission when it matters, see spec.resolve._check_slots).
+                gram = [float(np.dot(u, self.tables.units[vec_rows[j]])) if j is not None and j >= 0 else 0.0
+                        for j in prev]
                 params.append([c_add * self.tables.norms[row], c_norm, c_abl, lo, hi]
                               + gram + [0.0] * (K - 1 - len(gram)))
-                prev.append(row)
                 sels.append((op["sel"], tuple(op["pos"])))
             req.op_rows = self.tables.acquire_ops(params)
         except Exception:
