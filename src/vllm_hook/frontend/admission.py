@@ -36,7 +36,11 @@ def _check_capture_bytes(st, res, prompt_len: int, sp: Any) -> None:
     limit = st.cfg.capture_limits()[0]
     max_tokens = getattr(sp, "max_tokens", None)
     total = min(prompt_len + (max_tokens if max_tokens is not None else st.max_model_len), st.max_model_len)
-    worst = capture_bytes(res.items, st.info, prompt_len, total)
+    worst = res.worst_bytes.get(total)
+    if worst is None:
+        worst = capture_bytes(res.items, st.info, prompt_len, total)
+        if len(res.worst_bytes) < 64:       # a batch repeats a few max_tokens
+            res.worst_bytes[total] = worst
     if worst > limit:
         raise SpecError("capture", f"its captures could take {worst:,} bytes of host memory on a worker "
                         f"(every selected row over {prompt_len} prompt + up to {total - prompt_len} "

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ..delivery.nogc import no_gc
 from ..delivery.spill import open_entry, spill_target
 from ..delivery.store import parse_batch
 from ..results import ATTR, Results, build
@@ -215,20 +214,6 @@ class _Batch:
     keys: list[str]
     done: asyncio.Future
     opened: Opened
-
-
-@contextmanager
-def no_gc():
-    """Python's cyclic collector paused while a batch's Results are built: that allocates
-    many small objects and no cycles, and a full collection over a large frontend heap cost
-    more than the build itself (230 µs per request at 256 requests, benchmarks/host_cost.py)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def failed(output: Any, message: str) -> Results | list[Results]:

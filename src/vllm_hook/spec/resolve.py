@@ -85,6 +85,8 @@ class Resolved:
     dtype: str = "float32"
     hooks: int = 0                 # hooks in the spec: Results.hook_results has one per hook
     stack_layers: tuple[int, ...] | None = None   # vllm-lens output_residual_stream: out.activations
+    # capture_bytes by total length, shared by the copies the frontend cache hands out
+    worst_bytes: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def fetches(self) -> bool:

@@ -18,6 +18,7 @@ from ..adapters.base import AttnLayer, SchedulerEvents, StepView
 from ..config import HookConfig
 from ..delivery.collector import Collector
 from ..delivery.spill import sweep_spilled
+from ..delivery.nogc import no_gc
 from ..delivery.store import Budget, RequestStore, batch_to_wire
 from ..hooks.state import StateError, encode, encode_collected
 from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
@@ -580,6 +581,10 @@ class HookRuntime:
         """Results of every request with one of `keys`, as one safetensors payload (bytes,
         or a file in `spill`'s directory when the frontend shares it, `delivery.spill`):
         {"batch": payload, "entries": {key: [{"req_id", "j"}]}}, j the request's part."""
+        with no_gc():
+            return self._fetch(keys, spill)
+
+    def _fetch(self, keys: list[str], spill: dict | None) -> dict[str, Any]:
         t0 = time.perf_counter()
         entries: dict[str, list[dict]] = {k: [] for k in keys}
         parts = []
