@@ -13,7 +13,6 @@ the bytes written.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -28,7 +27,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from pool import median_ci  # noqa: E402
-from run import _versions, model_and_base  # noqa: E402
+from run import Record, bench_parser, model_and_base, run_meta  # noqa: E402
 
 
 def jobs(L: int) -> dict:
@@ -52,10 +51,7 @@ def report(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model")
-    ap.add_argument("--shape", default="qwen2-1.5b")
-    ap.add_argument("--out", required=True)
+    ap = bench_parser(__doc__)
     ap.add_argument("--scratch", default=tempfile.gettempdir(), help="where the datasets are written")
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -65,8 +61,6 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.5)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small job")
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     model, base = model_and_base(args, max_num_seqs=256, smoke_kv_bytes=256 << 20)
     if args.smoke:
         base["enforce_eager"] = True
@@ -82,11 +76,8 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="vh_extract_", dir=args.scratch))
     src = scratch / "in.jsonl"
     src.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
-    meta = {"model": model, "shape": {k: cfg.get(k) for k in ("num_hidden_layers", "hidden_size")},
-            "n": args.n, "prompt_len": args.prompt_len, "batch_size": args.batch_size, "argv": sys.argv,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), **_versions()}
-    print(json.dumps(meta), flush=True)
-    result, t0 = {"meta": meta, "cases": []}, time.time()
+    result = Record(Path(args.out), run_meta(model, cfg, n=args.n, prompt_len=args.prompt_len,
+                                             batch_size=args.batch_size), render=report, cases=[])
     llm = LLM(model, **base, additional_config={"vllm_hook": {"capture_pool_rows": 1 << 17}})
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -129,9 +120,7 @@ def main() -> None:
                   f"tok/s, ratio {case['ratio'][0]:.3f}, {case['bytes'] / 2**20:.0f} MiB", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        result["meta"]["wall_s"] = time.time() - t0
-        (out / "results.json").write_text(json.dumps(result, indent=1))
-        (out / "report.md").write_text(report(result))
+        result.save()
     print(report(result))
 
 

@@ -14,19 +14,17 @@ per-request Python hooks (norms at 4 layers, a scaling at 1). Writes results.jso
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from run import _versions, model_and_base, start, tpot, tracker_layers  # noqa: E402
+from run import Record, bench_parser, logprob_gap, model_and_base, run_meta, start, tpot, tracker_layers  # noqa: E402
 
 TARGET_UNUSED, TARGET_HOOKED = 1.01, 1.25
 
@@ -60,14 +58,6 @@ def parity(engines: dict, L: int) -> dict:
                          "save_dir": save, "tag": name, "logprobs": 5})["outputs"]
            for name, w in engines.items()}
 
-    def lp(a, b, idx):
-        worst = 0.0
-        for i in idx:
-            la, lb = out[a][i]["first_logprobs"], out[b][i]["first_logprobs"]
-            top = max(lb, key=lb.get)
-            worst = max(worst, abs(la.get(top, float("-inf")) - lb[top]))
-        return worst
-
     def res(name, i):
         return vllm_hook.Results.load(out[name][i]["saved"])
 
@@ -86,11 +76,11 @@ def parity(engines: dict, L: int) -> dict:
              for x in four]
     del load_file
     return {
-        "noise_native_graph_vs_eager_first_logprob": lp("native_eager", "native_graph", range(len(specs))),
-        "unhooked_plugin_graph_vs_native_graph_first_logprob": lp("plugin_graph", "native_graph", [0]),
-        "read_only_hook_graph_vs_eager_first_logprob": lp("plugin_eager", "plugin_graph", [1, 3]),
-        "modifying_hook_graph_vs_eager_first_logprob": lp("plugin_eager", "plugin_graph", [2]),
-        "modifying_hook_changes_output_first_logprob": lp("plugin_graph", "native_graph", [2]),
+        "noise_native_graph_vs_eager_first_logprob": logprob_gap(out, "native_eager", "native_graph", range(len(specs))),
+        "unhooked_plugin_graph_vs_native_graph_first_logprob": logprob_gap(out, "plugin_graph", "native_graph", [0]),
+        "read_only_hook_graph_vs_eager_first_logprob": logprob_gap(out, "plugin_eager", "plugin_graph", [1, 3]),
+        "modifying_hook_graph_vs_eager_first_logprob": logprob_gap(out, "plugin_eager", "plugin_graph", [2]),
+        "modifying_hook_changes_output_first_logprob": logprob_gap(out, "plugin_graph", "native_graph", [2]),
         "read_only_hook_norms_graph_vs_eager_rel": norm_err,
         "read_only_hook_vs_capture_same_engine_rel": cap_vs_hook,
         "modifying_hook_zeroed_dims_exactly": zeroed,
@@ -164,10 +154,7 @@ def report(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model")
-    ap.add_argument("--shape", default="qwen2-1.5b")
-    ap.add_argument("--out", required=True)
+    ap = bench_parser(__doc__)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
@@ -178,7 +165,6 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script runs")
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     model, base = model_and_base(args, max_num_seqs=64)
     if args.smoke:
         args.concurrency, args.gen, args.reps, args.prompt_len = [2], 4, 1, 32
@@ -191,17 +177,9 @@ def main() -> None:
             ("plugin_eager", False, {**plugin_cfg, "enforce_eager": True})]
     if args.skip_parity:
         plan = plan[:3]            # plugin_eager serves only the parity check
-    meta = {"model": model, "shape": {k: cfg.get(k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")},
-            "hook_layers": hook_layers, "prompt_len": args.prompt_len, "gen": args.gen, "argv": sys.argv,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), **_versions()}
-    print(json.dumps(meta), flush=True)
-    result = {"meta": meta, "startup": {}}
-    t0 = time.time()
-
-    def save():
-        result["meta"]["wall_s"] = time.time() - t0
-        (out / "results.json").write_text(json.dumps(result, indent=1))
-        (out / "report.md").write_text(report(result))
+    result = Record(out, run_meta(model, cfg, hook_layers=hook_layers, prompt_len=args.prompt_len, gen=args.gen),
+                    render=report, startup={})
+    save = result.save
 
     engines = {}
     try:

@@ -302,14 +302,6 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
                             "specs": specs, "save_dir": save, "tag": name, "logprobs": 5})["outputs"]
     tok = {k: [o["tokens"] for o in v] for k, v in res.items()}
 
-    def lp_diff(a, b, idx):   # max |logprob| difference of b's top token, over requests idx
-        out = 0.0
-        for i in idx:
-            la, lb = res[a][i]["first_logprobs"], res[b][i]["first_logprobs"]
-            top = max(lb, key=lb.get)
-            out = max(out, abs(la.get(top, float("-inf")) - lb[top]))
-        return out
-
     def cap_err(i, keys_filter):
         g, e = load_file(res["plugin_graph"][i]["saved"]), load_file(res["plugin_eager"][i]["saved"])
         errs = {}
@@ -327,18 +319,18 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
     c = {
         "noise_floor_native_graph_vs_eager": {
             "token_agreement": _agree(tok["native_graph"], tok["native_eager"]),
-            "first_step_logprob_diff": lp_diff("native_eager", "native_graph", unhooked + steered)},
+            "first_step_logprob_diff": logprob_gap(res, "native_eager", "native_graph", unhooked + steered)},
         "unhooked_plugin_vs_native_graph": {
             "token_agreement": _agree([tok["plugin_graph"][i] for i in unhooked], [tok["native_graph"][i] for i in unhooked]),
-            "first_step_logprob_diff": lp_diff("plugin_graph", "native_graph", unhooked)},
+            "first_step_logprob_diff": logprob_gap(res, "plugin_graph", "native_graph", unhooked)},
         "unhooked_plugin_vs_native_eager": {
             "token_agreement": _agree([tok["plugin_eager"][i] for i in unhooked], [tok["native_eager"][i] for i in unhooked]),
-            "first_step_logprob_diff": lp_diff("plugin_eager", "native_eager", unhooked)},
+            "first_step_logprob_diff": logprob_gap(res, "plugin_eager", "native_eager", unhooked)},
         "steered_graph_vs_eager": {
             "token_agreement": _agree([tok["plugin_graph"][i] for i in steered], [tok["plugin_eager"][i] for i in steered]),
-            "first_step_logprob_diff": lp_diff("plugin_eager", "plugin_graph", steered)},
+            "first_step_logprob_diff": logprob_gap(res, "plugin_eager", "plugin_graph", steered)},
         "steering_effect_vs_native_graph": {
-            "first_step_logprob_diff": lp_diff("plugin_graph", "native_graph", steered),
+            "first_step_logprob_diff": logprob_gap(res, "plugin_graph", "native_graph", steered),
             "tokens_changed": [tok["plugin_graph"][i] != tok["native_graph"][i] for i in steered]},
     }
     caps = {**{f"req3.{k}": v for k, v in cap_err(3, lambda k: True).items()},
@@ -361,11 +353,8 @@ def _agree(a, b) -> float:
 
 # --------------------------------------------------------------------------------------------
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--suite", choices=["bench", "check", "all"], default="all")
-    ap.add_argument("--model", help="checkpoint directory (default: build one, see --shape)")
-    ap.add_argument("--shape", default="qwen2-1.5b", help="model shape to build when --model is absent")
-    ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny workload: checks the suite runs")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[16, 64, 256, 512])
@@ -388,7 +377,6 @@ def main() -> None:
                     help="give each engine its own equal share of this machine's cores")
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(HERE.parent / "src"))
 
     if args.smoke:
@@ -407,18 +395,9 @@ def main() -> None:
     cfg = json.loads((Path(model) / "config.json").read_text())
     L, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
     args.hidden = hidden
-    meta = {"suite": args.suite, "model": model, "shape": {k: cfg.get(k) for k in (
-        "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")},
-        "argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    meta.update(_versions())
-    print(json.dumps(meta), flush=True)
-    t_all = time.time()
     workers: dict[str, Worker] = {}
-    result: dict = {"meta": meta, "startup": {}, "configs": {"full": full_config(L)}}
-
-    def save():
-        result["meta"]["wall_s"] = time.time() - t_all
-        (out / "results.json").write_text(json.dumps(result, indent=1))
+    result = Record(out, run_meta(model, cfg, suite=args.suite), startup={}, configs={"full": full_config(L)})
+    save = result.save
 
     lean_cfg = {"vllm_hook": {"capture_pool_rows": 65536}}
     full_cfg = {"vllm_hook": full_config(L)}
@@ -464,6 +443,53 @@ def main() -> None:
 
     (out / "report.md").write_text(write_report(result))
     print((out / "report.md").read_text())
+
+
+# ---- shared by the benchmark scripts of this folder ----------------------------------------
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every benchmark here takes: --model, --shape, --out."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint directory (default: build one, see --shape)")
+    ap.add_argument("--shape", default="qwen2-1.5b", help="model shape to build when --model is absent")
+    ap.add_argument("--out", required=True)
+    return ap
+
+
+SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
+def run_meta(model: str, cfg: dict, **extra) -> dict:
+    """What a results file says about its run: model, shape, settings, command, versions."""
+    return {"model": model, "shape": {k: cfg.get(k) for k in SHAPE_KEYS}, **extra, "argv": sys.argv,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), **_versions()}
+
+
+class Record(dict):
+    """A run's results ({"meta": ..., sections}). save() rewrites DIR/results.json, and with a
+    renderer DIR/report.md, after every case: a run cut short keeps what it measured."""
+
+    def __init__(self, out: Path, meta: dict, render=None, **sections):
+        super().__init__(meta=meta, **sections)
+        self.out, self.render, self.t0 = Path(out), render, time.time()
+        self.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(meta), flush=True)
+
+    def save(self) -> None:
+        self["meta"]["wall_s"] = time.time() - self.t0
+        (self.out / "results.json").write_text(json.dumps(self, indent=1))
+        if self.render is not None:
+            (self.out / "report.md").write_text(self.render(self))
+
+
+def logprob_gap(outputs: dict, a: str, b: str, idx) -> float:
+    """Max |logprob| difference, over requests `idx`, of engine b's top first token in a's."""
+    worst = 0.0
+    for i in idx:
+        la, lb = outputs[a][i]["first_logprobs"], outputs[b][i]["first_logprobs"]
+        top = max(lb, key=lb.get)
+        worst = max(worst, abs(la.get(top, float("-inf")) - lb[top]))
+    return worst
 
 
 def _versions() -> dict:

@@ -13,10 +13,8 @@ bootstrap intervals and the plugin's host time per request by stage, from its co
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -24,7 +22,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from pool import median_ci  # noqa: E402
-from run import _versions, model_and_base, start, workloads  # noqa: E402
+from run import Record, bench_parser, model_and_base, run_meta, start, workloads  # noqa: E402
 
 TARGETS = {("steer_add_all_layers", False): 1.03, ("capture_last_prompt_4_layers", False): 1.03,
            ("mixed_thirds", False): 1.05, ("prefill", True): 1.10, ("capture_all_tokens_all_layers", False): 1.5}
@@ -98,10 +96,7 @@ def report(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model")
-    ap.add_argument("--shape", default="qwen2-1.5b")
-    ap.add_argument("--out", required=True)
+    ap = bench_parser(__doc__)
     ap.add_argument("--batches", nargs="+", default=["64x128+1", "64x128+128", "256x128+1", "256x128+128"],
                     help="NxPROMPT+GEN")
     ap.add_argument("--workloads", nargs="+", default=["unused", "steer_add_all_layers", "steer_add_1_layer",
@@ -112,7 +107,6 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     args = ap.parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     model, base = model_and_base(args, max_num_seqs=256, smoke_kv_bytes=256 << 20)
     big = (32, 512)
     if args.smoke:
@@ -121,16 +115,8 @@ def main() -> None:
     cfg = json.loads((Path(model) / "config.json").read_text())
     L = cfg["num_hidden_layers"]
     wl = workloads(L)
-    meta = {"model": model, "shape": {k: cfg.get(k) for k in ("num_hidden_layers", "hidden_size")},
-            "argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S"), **_versions()}
-    print(json.dumps(meta), flush=True)
-    result = {"meta": meta, "startup": {}, "cases": []}
-    t0 = time.time()
-
-    def save():
-        result["meta"]["wall_s"] = time.time() - t0
-        (out / "results.json").write_text(json.dumps(result, indent=1))
-        (out / "report.md").write_text(report(result))
+    result = Record(out, run_meta(model, cfg), render=report, startup={}, cases=[])
+    save = result.save
 
     engines = {}
     try:
