@@ -94,3 +94,19 @@ class counting_preemptions:
 
     def __exit__(self, *exc) -> None:
         self.sched._preempt_request = self.orig
+
+
+def preempted_then_alone(llm, prompts, params) -> list[tuple]:
+    """Runs the requests together on an engine too small for them (asserting at least one
+    preemption), then each alone; asserts equal tokens and returns (together, alone) pairs."""
+    from tests.helpers.common import run
+
+    with counting_preemptions(llm) as count:
+        together = run(llm, prompts, params)
+    assert count["n"] > 0, "the test did not cause any preemption"
+    pairs = []
+    for i, (p, prm) in enumerate(zip(prompts, params)):
+        alone = run(llm, [p], [prm])[0]
+        assert list(together[i].outputs[0].token_ids) == list(alone.outputs[0].token_ids), i
+        pairs.append((together[i], alone))
+    return pairs

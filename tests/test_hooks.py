@@ -305,7 +305,7 @@ def _newest_by_position(saved: dict, key: str) -> dict[int, torch.Tensor]:
 
 
 def test_hooks_under_preemption_and_abort(small_kv):
-    from tests.conftest import counting_preemptions
+    from tests.conftest import preempted_then_alone
 
     llm = small_kv
     specs = [{"hooks": [Hook(_save_rows, [1])]}, {"hooks": [Hook(_modify, [2])]}, None,
@@ -314,14 +314,9 @@ def test_hooks_under_preemption_and_abort(small_kv):
              {"hooks": [Hook(_modify, [1])], "capture": [{"layers": [2]}]}]
     prompts = [ids_of(llm, PROMPTS[i]) for i in range(len(specs))]
     params = [sp(s, max_tokens=90, ignore_eos=True) for s in specs]
-    with counting_preemptions(llm) as count:
-        together = run(llm, prompts, params)
-    assert count["n"] > 0, "the test did not cause any preemption"
-    for i, (p, prm) in enumerate(zip(prompts, params)):
-        alone = run(llm, [p], [prm])[0]
-        assert list(together[i].outputs[0].token_ids) == list(alone.outputs[0].token_ids), i
-        if specs[i] and "hooks" in specs[i]:
-            a, b = res(together[i]), res(alone)
+    for spec, (together, alone) in zip(specs, preempted_then_alone(llm, prompts, params)):
+        if spec and "hooks" in spec:
+            a, b = res(together), res(alone)
             for x, y in zip(a.hook_results, b.hook_results):
                 for key in [k for k in y if k.startswith("post") and not k.endswith(".pos")]:
                     na, nb = _newest_by_position(x, key), _newest_by_position(y, key)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import vllm_hook
-from tests.conftest import counting_preemptions
+from tests.conftest import preempted_then_alone
 from tests.helpers import hf_ref
 from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
 from vllm_hook.frontend.delivery import attach
@@ -190,15 +190,10 @@ def test_preemption_and_resumption(small_kv):
              {"steer": [{"op": "cap", "layer": 2, "vector": vec(33).tolist(), "max": 0.0}]}]
     prompts = [ids_of(llm, PROMPTS[i]) for i in range(len(specs))]
     params = [sp(s, max_tokens=90) for s in specs]
-    with counting_preemptions(llm) as count:
-        together = run(llm, prompts, params)
-    assert count["n"] > 0, "the test did not cause any preemption"
-    for i, (p, prm) in enumerate(zip(prompts, params)):
-        alone = run(llm, [p], [prm])[0]
-        assert list(together[i].outputs[0].token_ids) == list(alone.outputs[0].token_ids), i
-        if specs[i] is None or "capture" not in specs[i]:
+    for spec, (together, alone) in zip(specs, preempted_then_alone(llm, prompts, params)):
+        if spec is None or "capture" not in spec:
             continue
-        ra, rb = res(together[i]), res(alone)
+        ra, rb = res(together), res(alone)
         for site in rb.activations:
             for L in rb.activations[site]:
                 assert ra.positions[site][L].tolist() == rb.positions[site][L].tolist()
