@@ -35,8 +35,10 @@ def main() -> None:
     ap.add_argument("--config", help="a core_reranker JSON config (default: every head, ICR prompt)")
     ap.add_argument("--plot-dir", help="write a PNG heatmap here")
     args = ap.parse_args()
-    llm = LLM(args.model or tiny_model("qwen2"), enforce_eager=True, dtype="float32",
-              kv_cache_memory_bytes=64 << 20, max_model_len=512, seed=0,
+    # The tiny CPU model runs eagerly in fp32; a --model keeps vLLM's defaults (CUDA graphs).
+    kw = dict(enforce_eager=True, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512) \
+        if not args.model else {}
+    llm = LLM(args.model or tiny_model("qwen2"), seed=0, **kw,
               # attn_scores are computed from the captured queries: the engine must instrument q.
               additional_config={"vllm_hook": {"sites": ["resid_post", "resid_pre", "q"]}})
     tok = llm.get_tokenizer()

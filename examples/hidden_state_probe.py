@@ -47,8 +47,10 @@ def main() -> None:
     ap.add_argument("--out-dir", help="where to write the probe (default: a temporary folder)")
     ap.add_argument("--plot-dir", help="write a PNG heatmap here")
     args = ap.parse_args()
-    llm = LLM(args.model or tiny_model("qwen2"), enforce_eager=True, dtype="float32",
-              kv_cache_memory_bytes=64 << 20, max_model_len=512, seed=0)
+    # The tiny CPU model runs eagerly in fp32; a --model keeps vLLM's defaults (CUDA graphs).
+    kw = dict(enforce_eager=True, dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512) \
+        if not args.model else {}
+    llm = LLM(args.model or tiny_model("qwen2"), seed=0, **kw)
     out_dir = args.out_dir or tempfile.mkdtemp(prefix="vllm_hook_probe_")
 
     # 1. Fit: one resid_post row (last prompt token) per labelled prompt.

@@ -87,7 +87,7 @@ class HookConfig(BaseModel):
     )
     max_ops_per_layer: int = Field(
         default=2, ge=1, le=8,
-        description="Steering ops one request may apply at one layer (each is one fused step).",
+        description="Steering ops one request may apply to one token at one layer (ops on disjoint token lists share a slot; each slot is one fused step).",
     )
     max_vectors: int = Field(
         default=256, ge=1,

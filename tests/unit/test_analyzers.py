@@ -491,3 +491,13 @@ def test_plots_write_pngs(tmp_path, tracked, reranked):
     for path in paths:
         with open(path, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_analyzer_built_from_keywords_alone():
+    """docs/analyzers.md: `AttentionTracker(important_heads=...)`, no config file."""
+    from vllm_hook.analyzers import AttentionTracker
+
+    t = AttentionTracker(important_heads={10: [2, 5], "13": [0]})
+    assert t.config.important_heads == {10: [2, 5], 13: [0]}
+    with pytest.raises(ValueError, match="important_heads"):
+        AttentionTracker()

@@ -69,3 +69,16 @@ def test_engine_config_errors_name_the_key_and_the_fix(raw, words):
     assert isinstance(e.value, ValueError) and "pydantic" not in str(e.value)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+def test_docs_config_table_lists_every_key():
+    """docs/config.md's table and HookConfig name the same keys."""
+    import re
+    from pathlib import Path
+
+    from vllm_hook.config import HookConfig
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    documented = set(re.findall(r"^\| `(\w+)` \|", text, flags=re.M))
+    keys = set(HookConfig.model_fields) - {"version"}
+    assert documented == keys, f"undocumented: {keys - documented}; not in HookConfig: {documented - keys}"

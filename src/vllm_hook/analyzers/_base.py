@@ -209,11 +209,13 @@ class Analyzer:
     Config: ClassVar[type[AnalyzerConfig]] = AnalyzerConfig
 
     def __init__(self, config: Any = None, **fields: Any):
-        if config is None:
-            config = {}
-        cfg = load_config(self.Config, config, self.name)
-        if fields:
-            cfg = load_config(self.Config, {**cfg.model_dump(), **fields}, self.name)
+        if config is None or isinstance(config, Mapping):
+            # keywords alone (AttentionTracker(important_heads=...)) or over a dict: one check
+            cfg = load_config(self.Config, {**(config or {}), **fields}, self.name)
+        else:
+            cfg = load_config(self.Config, config, self.name)
+            if fields:
+                cfg = load_config(self.Config, {**cfg.model_dump(), **fields}, self.name)
         self.config = cfg
 
     @classmethod
