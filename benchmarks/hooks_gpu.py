@@ -89,6 +89,36 @@ def parity(engines: dict, L: int) -> dict:
     }
 
 
+def lens_math(vocab: int) -> dict:
+    """The logit lens's top-k/log-probabilities on the GPU, chunked (the built-in) against the
+    plain log_softmax + topk, on random bf16 logits: equal top values, the log-probability
+    gap, and the time of each (CUDA events, median of 20)."""
+    import torch
+
+    from vllm_hook.hooks.builtin import topk_logprobs
+
+    out = {}
+    for n in (16, 64, 256):
+        z = (torch.randn(n, vocab, device="cuda") * 3).bfloat16()
+        (ci, cl), (pi, pl) = topk_logprobs(z, 5), topk_logprobs(z, 5, chunks=1)
+        times = {}
+        for name, kw in (("chunked", {}), ("plain", {"chunks": 1})):
+            ts = []
+            for _ in range(20):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                topk_logprobs(z, 5, **kw)
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b) * 1e3)
+            times[name] = statistics.median(ts)
+        out[str(n)] = {"top_values_equal": bool(torch.equal(z.gather(1, ci), z.gather(1, pi))),
+                       "ids_equal_frac": float((ci == pi).float().mean()),
+                       "logprob_max_gap": float((cl - pl).abs().max()),
+                       "chunked_us": times["chunked"], "plain_us": times["plain"]}
+    return out
+
+
 def torch_cat(xs):
     import torch
 
@@ -128,6 +158,12 @@ def report(result: dict) -> str:
     lines += ["| engine | start-up s | CUDA-graph GiB |", "|---|---|---|"]
     lines += [f"| {k} | {v.get('startup_s', float('nan')):.1f} | {v.get('graph_gib', float('nan')):.2f} |"
               for k, v in st.items()]
+    lm = result.get("lens_math")
+    if lm:
+        lines += ["", "Logit-lens top-5 on random bf16 logits (the built-in's chunked path vs plain log_softmax + topk):", "",
+                  "| rows | chunked µs | plain µs | top values equal | ids equal | log-prob gap |", "|---|---|---|---|---|---|"]
+        lines += [f"| {n} | {v['chunked_us']:.0f} | {v['plain_us']:.0f} | {v['top_values_equal']} | "
+                  f"{v['ids_equal_frac']:.3f} | {v['logprob_max_gap']:.2e} |" for n, v in lm.items()]
     p = result.get("parity")
     if p:
         lines += ["", "Parity (graph vs eager, bf16, random weights):", ""]
@@ -181,6 +217,9 @@ def main() -> None:
                     render=report, startup={})
     save = result.save
 
+    if not args.smoke:
+        result["lens_math"] = lens_math(cfg["vocab_size"])
+        print("lens math:", json.dumps(result["lens_math"]), flush=True)
     engines = {}
     try:
         for name, native, extra in plan:

@@ -38,6 +38,8 @@ ENGINES = {
     # default is off, run 12's "lean_noassert"); native_noassert shows what turning them off
     # alone does to native's own kernels.
     "lean_asserts": {"additional_config": {"vllm_hook": {"index_asserts": True}}},
+    # Python hooks (issue 16): hook points at hooks_gpu.py's layers (set at start from the model).
+    "hooks": {"additional_config": {"vllm_hook": {"hook_layers": "hooks_gpu"}}},
     "native_noassert": {"native": True,
                         "compilation_config": {"inductor_compile_config": {"assert_indirect_indexing": False}}},
 }
@@ -49,6 +51,11 @@ def run_engine(name: str, model: str, out: Path, batch_sizes: list[int], gen: in
     from vllm import LLM, SamplingParams
 
     extra = {k: v for k, v in ENGINES[name].items() if k != "native"}
+    if name == "hooks":
+        from run import tracker_layers
+
+        L = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+        extra = {"additional_config": {"vllm_hook": {"hook_layers": sorted({*tracker_layers(L), L // 2})}}}
     llm = LLM(model, dtype="bfloat16", max_model_len=1024, max_num_seqs=64, skip_tokenizer_init=True,
               gpu_memory_utilization=0.3, seed=0, **extra)
     vocab = llm.llm_engine.model_config.get_vocab_size()
@@ -60,8 +67,13 @@ def run_engine(name: str, model: str, out: Path, batch_sizes: list[int], gen: in
 
         g = torch.Generator().manual_seed(0)
         vllm_hook.register_vectors(llm, {v: torch.randn(hf.hidden_size, generator=g) for v in ("bench_a", "bench_b")})
-        all_wl = workloads(hf.num_hidden_layers)
-        wl.update({w: all_wl[w] for w in workload_names})
+        from engine_worker import python_hooks
+        from hooks_gpu import workloads as hook_workloads
+
+        all_wl = {**workloads(hf.num_hidden_layers), **hook_workloads(hf.num_hidden_layers)}
+        for w in workload_names:
+            spec = all_wl[w]       # run.py's: a function of the request index; hooks_gpu.py's: a spec
+            wl[w] = spec if callable(spec) else (lambda i, s=python_hooks(spec): s)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     calls = itertools.count(1)
@@ -87,7 +99,8 @@ def run_engine(name: str, model: str, out: Path, batch_sizes: list[int], gen: in
         for w, make in wl.items():
             key = str(n) if w == "none" else f"{n}:{w}"
             res[key] = profile_batch(llm, gen_once, n, gen, make, out / f"{name}_b{key.replace(':', '_')}_trace.json",
-                                     keep=(n == batch_sizes[0] and w == "none"), stack=stack)
+                                     keep=(n == batch_sizes[0] and w in ("none", next(iter(workload_names), None))),
+                                     stack=stack)
             print(name, key, json.dumps({k: v for k, v in res[key].items() if k != "kernels"}), flush=True)
     return res
 

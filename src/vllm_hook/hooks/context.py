@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .state import append_rows
+
 
 class HookContext:
     __slots__ = ("saved", "request_id", "prompt_len", "tp_rank", "tp_size", "layer_idx", "pre",
@@ -52,6 +54,11 @@ class HookContext:
     def first_position(self) -> int:
         return self._first_pos
 
+    def save(self, key: str, t: torch.Tensor) -> None:
+        """Append `t` (this call's rows, [rows, ...]) to `saved[key]`: results hold one tensor
+        per call, which travel (and `to_host` copies) as one."""
+        append_rows(key, t, [(self.saved, 0, None)])
+
     def get_parameter(self, name: str) -> torch.Tensor:
         """A full model parameter (gathered over tensor-parallel ranks, cached), e.g.
         "lm_head.weight" or "model.norm.weight"."""
@@ -66,12 +73,12 @@ class BatchHookContext:
     """`ctx` of a `batched=True` hook: the rows of several requests in one call. Row block
     i of `h` belongs to `requests[i]` (its `saved`, `request_id`, ...)."""
 
-    __slots__ = ("requests", "segments", "layer_idx", "pre", "tp_rank", "tp_size", "_params")
+    __slots__ = ("requests", "segments", "layer_idx", "pre", "num_layers", "tp_rank", "tp_size", "_params")
 
     def __init__(self, requests: list[HookContext], segments: list[tuple[int, int]], layer: int,
-                 pre: bool, params: Any, tp_rank: int = 0, tp_size: int = 1):
+                 pre: bool, params: Any, tp_rank: int = 0, tp_size: int = 1, num_layers: int = 0):
         self.requests, self.segments = requests, segments
-        self.layer_idx, self.pre = layer, pre
+        self.layer_idx, self.pre, self.num_layers = layer, pre, num_layers
         self.tp_rank, self.tp_size, self._params = tp_rank, tp_size, params
 
     @property
@@ -90,10 +97,20 @@ class BatchHookContext:
         """`t` (first dimension = rows of `h`) cut into each request's rows (views)."""
         return list(torch.split(t, self.counts))
 
-    def save(self, key: str, t: torch.Tensor) -> None:
-        """Append each request's rows of `t` to its `saved[key]` list."""
-        for ctx, part in zip(self.requests, self.split(t)):
-            ctx.saved.setdefault(key, []).append(part)
+    def save(self, key: str, t: torch.Tensor, per_request: bool = False) -> None:
+        """Append each request's rows of `t` (first dimension = rows of `h`; with
+        `per_request`, one row per request) to its `saved[key]`. One call records where each
+        request's rows are; nothing is sliced per request until its results are delivered."""
+        if per_request:
+            parts = [(c.saved, i, 1) for i, c in enumerate(self.requests)]
+        else:
+            parts = [(c.saved, a, n) for c, (a, n) in zip(self.requests, self.segments)]
+        want = len(parts) if per_request else sum(n for _, n in self.segments)
+        rows = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else -1
+        if rows != want:
+            raise ValueError(f"ctx.save({key!r}, t): t has {rows} rows, this call has {want}"
+                             + ("" if per_request else " (per_request=True: one row per request)"))
+        append_rows(key, t, parts)
 
     def get_parameter(self, name: str) -> torch.Tensor:
         return self._params(name)

@@ -19,42 +19,118 @@ class StateError(TypeError):
     pass
 
 
-def tensors_of(tree: Any, out: list | None = None, depth: int = 0) -> list[torch.Tensor]:
-    """Every tensor in `tree` (numpy arrays too, as tensors)."""
+class RowLog:
+    """What `ctx.save(key, t)` appends to: each call's rows of this request as pieces
+    (tensor, first row, rows) of a tensor the call's requests share (a batched hook's output).
+    Nothing is sliced per request on the step path; the pieces are copied to the host in one
+    concatenation with the rest of the request's tensors, travel as one tensor with the row
+    count of each call, and arrive as a list of one tensor per call."""
+
+    __slots__ = ("pieces", "nbytes", "sig")
+
+    def __init__(self, sig: tuple):
+        self.pieces: list[tuple[torch.Tensor, int, int]] = []
+        self.nbytes = 0
+        self.sig = sig                  # (dtype, row shape, device): one per key
+
+    def views(self) -> list[torch.Tensor]:
+        return [t[a:a + n] for t, a, n in self.pieces]
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.views()[i]
+        t, a, n = self.pieces[i]
+        return t[a:a + n]
+
+    def __iter__(self):
+        return iter(self.views())
+
+
+class Rows:
+    """A RowLog on the host: one tensor (the calls' rows in order) and each call's row count."""
+
+    __slots__ = ("data", "counts")
+
+    def __init__(self, data: torch.Tensor, counts: list[int]):
+        self.data, self.counts = data, counts
+
+
+def append_rows(key: str, t: torch.Tensor, parts) -> None:
+    """For each (saved dict, first row, rows) in `parts`: append that piece of `t` to the
+    dict's RowLog `key`."""
+    if not isinstance(t, torch.Tensor):
+        raise StateError(f"ctx.save({key!r}, ...) takes a tensor, got {type(t).__name__}")
+    t = t.detach()
+    if not t.dim():
+        t = t[None]
+    sig = (t.dtype, tuple(t.shape[1:]), t.device)
+    row = t.element_size() * (t.numel() // t.shape[0]) if t.shape[0] else 0
+    for d, a, n in parts:
+        n = t.shape[0] if n is None else n
+        log = d.get(key)
+        if log is None:
+            log = d[key] = RowLog(sig)
+        elif not isinstance(log, RowLog):
+            raise StateError(f"saved[{key!r}] holds a {type(log).__name__}: ctx.save keeps its own "
+                             "keys; use another key for values set by hand")
+        elif log.sig != sig:
+            raise StateError(f"ctx.save({key!r}, ...) got {sig[0]} rows of shape {list(sig[1])} after "
+                             f"{log.sig[0]} rows of shape {list(log.sig[1])}: one key keeps one dtype "
+                             "and row shape")
+        log.pieces.append((t, a, n))
+        log.nbytes += row * n
+
+
+def leaves(tree: Any, out: list | None = None, depth: int = 0) -> list:
+    """Every tensor and RowLog in `tree`."""
     out = [] if out is None else out
     if depth > 64:
         raise StateError("saved values nested more than 64 levels deep")
-    if isinstance(tree, torch.Tensor):
+    if isinstance(tree, (torch.Tensor, RowLog)):
         out.append(tree)
     elif isinstance(tree, dict):
         for v in tree.values():
-            tensors_of(v, out, depth + 1)
+            leaves(v, out, depth + 1)
     elif isinstance(tree, (list, tuple)):
         for v in tree:
-            tensors_of(v, out, depth + 1)
+            leaves(v, out, depth + 1)
     return out
 
 
 def nbytes(tree: Any) -> int:
-    n = sum(t.numel() * t.element_size() for t in tensors_of(tree))
-    return n
+    return sum(x.nbytes if isinstance(x, RowLog) else x.numel() * x.element_size() for x in leaves(tree))
+
+
+def _device(x) -> str:
+    return x.sig[2].type if isinstance(x, RowLog) else x.device.type
 
 
 def to_host(trees: list) -> tuple[list, Any]:
-    """`trees` with every device tensor copied to host memory, queued without waiting: the
-    tensors of one dtype and row shape are concatenated on the device (one call, however many
-    steps saved one each) and copied as one. Returns (new trees, an event to wait on before
-    reading them, or None)."""
-    dev = [t for t in tensors_of(trees) if t.device.type != "cpu"]
+    """`trees` with every device tensor (and RowLog) copied to host memory, queued without
+    waiting: the rows of one dtype and row shape are concatenated on the device (one call,
+    however many steps saved one each) and copied as one. Returns (new trees, an event to wait
+    on before reading them, or None)."""
+    dev = [x for x in leaves(trees) if _device(x) != "cpu"]
     if not dev:
         return trees, None
-    host: dict[int, torch.Tensor] = {}
-    for ts in _groups(dev).values():
-        flat = torch.cat([t.detach() if t.dim() else t.detach()[None] for t in ts])
+    groups: dict[tuple, list] = {}
+    for x in dev:
+        views = x.views() if isinstance(x, RowLog) else [x.detach() if x.dim() else x.detach()[None]]
+        groups.setdefault((views[0].dtype, tuple(views[0].shape[1:])), []).append((x, views))
+    host: dict[int, Any] = {}
+    for items in groups.values():
+        flat = torch.cat([v for _, views in items for v in views])
         buf = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         buf.copy_(flat, non_blocking=True)
-        for t, part in zip(ts, buf.split([t.shape[0] if t.dim() else 1 for t in ts])):
-            host[id(t)] = part.view(t.shape)
+        at = 0
+        for x, views in items:
+            counts = [v.shape[0] for v in views]
+            part = buf[at:at + sum(counts)]
+            at += part.shape[0]
+            host[id(x)] = Rows(part, counts) if isinstance(x, RowLog) else part.view(x.shape)
     event = torch.cuda.Event()
     event.record()
     return _replace(trees, host), event
@@ -69,8 +145,8 @@ def _groups(ts: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
     return out
 
 
-def _replace(tree: Any, host: dict[int, torch.Tensor]) -> Any:
-    if isinstance(tree, torch.Tensor):
+def _replace(tree: Any, host: dict[int, Any]) -> Any:
+    if isinstance(tree, (torch.Tensor, RowLog)):
         return host.get(id(tree), tree)
     if isinstance(tree, dict):
         return {k: _replace(v, host) for k, v in tree.items()}
@@ -88,6 +164,12 @@ def encode(trees: list, prefix: str) -> tuple[dict[str, torch.Tensor], list]:
     found: list[torch.Tensor] = []
 
     def enc(v: Any, path: str) -> Any:
+        if isinstance(v, RowLog):            # CPU engines: never copied, so never a Rows
+            views = v.views()
+            v = Rows(torch.cat(views), [x.shape[0] for x in views])
+        if isinstance(v, Rows):
+            found.append(v.data)
+            return {"t": len(found) - 1, "c": v.counts}
         if isinstance(v, np.ndarray):
             v = torch.from_numpy(np.ascontiguousarray(v))
         if isinstance(v, torch.Tensor):
@@ -123,7 +205,7 @@ def encode(trees: list, prefix: str) -> tuple[dict[str, torch.Tensor], list]:
 
     def place(v: dict) -> dict:
         if "t" in v:
-            return {"t": where[id(found[v["t"]])]}
+            return {"t": where[id(found[v["t"]])], **({"c": v["c"]} if "c" in v else {})}
         if "d" in v:
             return {"d": {k: place(x) for k, x in v["d"].items()}}
         if "l" in v or "u" in v:
@@ -141,6 +223,8 @@ def decode(structure: list, tensors: dict[str, torch.Tensor]) -> list:
             t = tensors[name]
             rows = shape[0] if shape else 1
             part = t[at:at + rows]
+            if "c" in v:                     # a RowLog: one tensor per call
+                return list(part.reshape(shape).split(v["c"]))
             return part.reshape(shape)
         if "d" in v:
             return {k: dec(x) for k, x in v["d"].items()}

@@ -303,7 +303,7 @@ class _Point:
             offsets.append((at, n))
             at += n
         ctx = BatchHookContext([i.ctx for i in insts], offsets, L, pre, self.hooks.access,
-                               self.hooks.tp_rank, self.hooks.tp_size)
+                               self.hooks.tp_rank, self.hooks.tp_size, self.hooks.num_layers)
         out = self.hooks.call(insts[0].hook.fn, ctx, h, insts, L)
         if out is not None and self._check(out, h, insts, L):
             self._write(rows, out)

@@ -1,0 +1,95 @@
+"""What hooks save: RowLog pieces through encode/decode, and the logit lens's chunked top-k."""
+
+import pytest
+import torch
+
+from vllm_hook.hooks.builtin import _chunks, topk_logprobs
+from vllm_hook.hooks.context import BatchHookContext, HookContext
+from vllm_hook.hooks.state import RowLog, StateError, decode, encode, nbytes, to_host
+
+
+def _batch(n_requests: int, rows: list[int]) -> BatchHookContext:
+    reqs = [HookContext(f"r{i}", 4, None) for i in range(n_requests)]
+    segs, at = [], 0
+    for n in rows:
+        segs.append((at, n))
+        at += n
+    return BatchHookContext(reqs, segs, 1, False, None, num_layers=4)
+
+
+def test_batched_saves_arrive_per_request_per_call():
+    ctx = _batch(3, [2, 1, 3])
+    calls = [torch.randn(6, 5), torch.randn(6, 5)]
+    for t in calls:
+        ctx.save("x", t)
+    ctx.save("last", torch.arange(3.0)[:, None], per_request=True)
+    saved = [c.saved for c in ctx.requests]
+    assert isinstance(saved[0]["x"], RowLog) and len(saved[0]["x"]) == 2
+    assert nbytes(saved[2]) == (2 * 3 * 5 + 1) * 4
+    tensors, structure = encode(saved, "h")
+    assert len(tensors) <= 2                      # one tensor per dtype and row shape
+    back = decode(structure, tensors)
+    for i, (a, n) in enumerate(ctx.segments):
+        assert [t.shape for t in back[i]["x"]] == [(n, 5), (n, 5)]
+        for t, ref in zip(back[i]["x"], calls):
+            assert torch.equal(t, ref[a:a + n])
+        assert back[i]["last"] == [torch.tensor([[float(i)]])]
+    again = decode(*reversed(encode(back, "g")))   # decoded lists encode like any list
+    assert torch.equal(torch.cat(again[1]["x"]), torch.cat([c[2:3] for c in calls]))
+
+
+def test_save_refuses_wrong_rows_and_mixed_shapes():
+    ctx = _batch(2, [1, 1])
+    with pytest.raises(ValueError, match="3 rows, this call has 2"):
+        ctx.save("x", torch.zeros(3, 4))
+    ctx.save("x", torch.zeros(2, 4))
+    with pytest.raises(StateError, match="one key keeps one dtype and row shape"):
+        ctx.save("x", torch.zeros(2, 5))
+    ctx.requests[0].saved["y"] = []
+    with pytest.raises(StateError, match="ctx.save keeps its own keys"):
+        ctx.save("y", torch.zeros(2, 4))
+    one = HookContext("r", 3, None)
+    one.save("s", torch.tensor(2.0))
+    assert decode(*reversed(encode([one.saved], "p")))[0]["s"] == [torch.tensor([2.0])]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="to_host copies device tensors")
+def test_to_host_keeps_rowlogs_whole():
+    ctx = _batch(2, [1, 2])
+    ctx.requests[0].saved["plain"] = torch.ones(2, device="cuda")
+    ctx.save("x", torch.randn(3, 4, device="cuda"))
+    trees, event = to_host([c.saved for c in ctx.requests])
+    event.synchronize()
+    back = decode(*reversed(encode(trees, "h")))
+    assert back[1]["x"][0].shape == (2, 4) and back[0]["plain"].device.type == "cpu"
+
+
+@pytest.mark.parametrize("v,k,chunks", [(4096, 5, 16), (4096, 16, 64), (6000, 3, 16)])
+def test_chunked_topk_logprobs_equal_the_plain_ones(v, k, chunks):
+    g = torch.Generator().manual_seed(v + k)
+    logits = torch.randn(7, v, generator=g) * 4
+    if v % chunks:
+        with pytest.raises(ValueError, match="must divide the vocabulary"):
+            topk_logprobs(logits, k, chunks=chunks)
+        return
+    ids, lps = topk_logprobs(logits, k, chunks=chunks)
+    ref_ids, ref_lps = topk_logprobs(logits, k, chunks=1)
+    assert torch.equal(ids, ref_ids)
+    assert torch.allclose(lps, ref_lps, atol=1e-5)
+    assert torch.allclose(lps, logits.log_softmax(-1).gather(1, ids), atol=1e-5)
+
+
+def test_chunk_count():
+    assert _chunks(151936, 5) == 128 and _chunks(128256, 5) == 256 and _chunks(32000, 5) == 256
+    assert _chunks(512, 5) == 256 and _chunks(1000, 5) == 1 and _chunks(4096, 300) == 1
+
+
+def test_lens_blocks_of_rows_equal_one_block(monkeypatch):
+    from vllm_hook.hooks import builtin
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(37, 16, generator=g), torch.randn(300, 16, generator=g)
+    whole = builtin._lens(x, w, 4)
+    monkeypatch.setattr(builtin, "LENS_BLOCK_BYTES", 6 * 300 * 5)      # 5 rows a block
+    blocks = builtin._lens(x, w, 4)
+    assert torch.equal(whole[0], blocks[0]) and torch.allclose(whole[1], blocks[1])
