@@ -57,7 +57,7 @@ class HookContext:
     def save(self, key: str, t: torch.Tensor) -> None:
         """Append `t` (this call's rows, [rows, ...]) to `saved[key]`: results hold one tensor
         per call, which travel (and `to_host` copies) as one."""
-        append_rows(key, t, [(self.saved, 0, None)])
+        append_rows(key, t, [self.saved], [(0, t.shape[0] if t.dim() else 1)] if isinstance(t, torch.Tensor) else [(0, 0)])
 
     def get_parameter(self, name: str) -> torch.Tensor:
         """A full model parameter (gathered over tensor-parallel ranks, cached), e.g.
@@ -101,16 +101,14 @@ class BatchHookContext:
         """Append each request's rows of `t` (first dimension = rows of `h`; with
         `per_request`, one row per request) to its `saved[key]`. One call records where each
         request's rows are; nothing is sliced per request until its results are delivered."""
-        if per_request:
-            parts = [(c.saved, i, 1) for i, c in enumerate(self.requests)]
-        else:
-            parts = [(c.saved, a, n) for c, (a, n) in zip(self.requests, self.segments)]
-        want = len(parts) if per_request else sum(n for _, n in self.segments)
+        saved = [c.saved for c in self.requests]
+        segs = [(i, 1) for i in range(len(saved))] if per_request else self.segments
+        want = len(saved) if per_request else sum(n for _, n in self.segments)
         rows = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else -1
         if rows != want:
             raise ValueError(f"ctx.save({key!r}, t): t has {rows} rows, this call has {want}"
                              + ("" if per_request else " (per_request=True: one row per request)"))
-        append_rows(key, t, parts)
+        append_rows(key, t, saved, segs)
 
     def get_parameter(self, name: str) -> torch.Tensor:
         return self._params(name)

@@ -26,12 +26,15 @@ class RowLog:
     concatenation with the rest of the request's tensors, travel as one tensor with the row
     count of each call, and arrive as a list of one tensor per call."""
 
-    __slots__ = ("pieces", "nbytes", "sig")
+    __slots__ = ("pieces", "sig")
 
     def __init__(self, sig: tuple):
         self.pieces: list[tuple[torch.Tensor, int, int]] = []
-        self.nbytes = 0
-        self.sig = sig                  # (dtype, row shape, device): one per key
+        self.sig = sig                  # (dtype, row shape, device, bytes per row): one per key
+
+    @property
+    def nbytes(self) -> int:
+        return self.sig[3] * sum(n for _, _, n in self.pieces)
 
     def views(self) -> list[torch.Tensor]:
         return [t[a:a + n] for t, a, n in self.pieces]
@@ -58,30 +61,42 @@ class Rows:
         self.data, self.counts = data, counts
 
 
-def append_rows(key: str, t: torch.Tensor, parts) -> None:
-    """For each (saved dict, first row, rows) in `parts`: append that piece of `t` to the
-    dict's RowLog `key`."""
+_SIGS: dict[tuple, tuple] = {}      # interned: a RowLog's signature is checked by identity
+
+
+def append_rows(key: str, t: torch.Tensor, saved: list[dict], segs) -> None:
+    """Append piece (first row, rows) of `t` to the RowLog `key` of each dict in `saved`
+    (`segs[i]` for `saved[i]`; a None count means all of `t`'s rows)."""
     if not isinstance(t, torch.Tensor):
         raise StateError(f"ctx.save({key!r}, ...) takes a tensor, got {type(t).__name__}")
     t = t.detach()
     if not t.dim():
         t = t[None]
-    sig = (t.dtype, tuple(t.shape[1:]), t.device)
-    row = t.element_size() * (t.numel() // t.shape[0]) if t.shape[0] else 0
-    for d, a, n in parts:
-        n = t.shape[0] if n is None else n
+    raw = (t.dtype, tuple(t.shape[1:]), t.device, t.element_size() * (t.numel() // max(t.shape[0], 1)))
+    sig = _SIGS.get(raw)
+    if sig is None:
+        if len(_SIGS) > 4096:
+            _SIGS.clear()
+        sig = _SIGS[raw] = raw
+    cls = RowLog
+    for d, (a, n) in zip(saved, segs):      # the step path: per request, one lookup and append
         log = d.get(key)
         if log is None:
-            log = d[key] = RowLog(sig)
-        elif not isinstance(log, RowLog):
-            raise StateError(f"saved[{key!r}] holds a {type(log).__name__}: ctx.save keeps its own "
-                             "keys; use another key for values set by hand")
-        elif log.sig != sig:
-            raise StateError(f"ctx.save({key!r}, ...) got {sig[0]} rows of shape {list(sig[1])} after "
-                             f"{log.sig[0]} rows of shape {list(log.sig[1])}: one key keeps one dtype "
-                             "and row shape")
+            log = d[key] = cls(sig)
+        elif log.__class__ is not cls or log.sig is not sig:
+            _refuse(key, log, sig)
+            log.sig = sig          # a signature equal to an interned one cleared since
         log.pieces.append((t, a, n))
-        log.nbytes += row * n
+
+
+def _refuse(key: str, log, sig: tuple) -> None:
+    if not isinstance(log, RowLog):
+        raise StateError(f"saved[{key!r}] holds a {type(log).__name__}: ctx.save keeps its own "
+                         "keys; use another key for values set by hand")
+    if log.sig != sig:
+        raise StateError(f"ctx.save({key!r}, ...) got {sig[0]} rows of shape {list(sig[1])} after "
+                         f"{log.sig[0]} rows of shape {list(log.sig[1])}: one key keeps one dtype "
+                         "and row shape")
 
 
 def leaves(tree: Any, out: list | None = None, depth: int = 0) -> list:

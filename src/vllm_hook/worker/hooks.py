@@ -125,16 +125,30 @@ class WorkerHooks:
     # ---- per step ----------------------------------------------------------------------------
     def plan(self, entries: Iterable[tuple[RequestHooks, int, int, int]]) -> None:
         """This step's calls per hook point, from (hooks, first row, rows, first position)
-        of each hooked request in the batch."""
+        of each hooked request in the batch. A batched hook's requests form one group per
+        step, shared by all its layers (their rows, offsets and contexts are built once)."""
         plan: dict[int, list] = {}
+        groups: dict[tuple, _Group] = {}
         for rh, start, count, first in entries:
             if count <= 0:
                 continue
             for inst in rh.all:
                 if inst.failed:
                     continue
-                for b, L, pre in inst.points:
-                    plan.setdefault(b, []).append((inst, L, pre, start, count, first))
+                self._check_state(inst)
+                if inst.hook.batched:
+                    key = (id(inst.hook), inst.points)
+                    g = groups.get(key)
+                    if g is None:
+                        g = groups[key] = _Group()
+                        for b, L, pre in inst.points:
+                            plan.setdefault(b, []).append((pre, g, L))
+                    g.add(inst, start, count, first)
+                else:
+                    for b, L, pre in inst.points:
+                        plan.setdefault(b, []).append((pre, inst, L, start, count, first))
+        for calls in plan.values():
+            calls.sort(key=lambda c: c[0])          # post (False) first; stable otherwise
         self._plan = plan or None
         self.timing["hook_steps"] += bool(plan)
 
@@ -163,7 +177,8 @@ class WorkerHooks:
         except Exception:          # a bug of ours: never the engine's step
             log.exception("vllm_hook: running hooks at boundary %d failed", boundary)
             for c in calls:
-                c[0].fail("internal error in vllm_hook while running hooks")
+                for inst in (c[1].insts if isinstance(c[1], _Group) else [c[1]]):
+                    inst.fail("internal error in vllm_hook while running hooks")
         self.timing["hook_s"] += time.perf_counter() - t0
 
     def call(self, fn: Callable, ctx, h: torch.Tensor, insts: list[HookInstance], L: int):
@@ -176,6 +191,7 @@ class WorkerHooks:
             return None
 
     def _check_state(self, inst: HookInstance) -> None:
+        """Every STATE_CHECK_EVERY steps of the request (and when it finishes)."""
         inst.calls += 1
         if inst.calls % STATE_CHECK_EVERY:
             return
@@ -247,25 +263,13 @@ class _Point:
         self._end = 0
 
     def run(self, calls: list) -> None:
-        self._end = max(c[3] + c[4] for c in calls)
-        groups: dict[tuple, list] = {}
-        order: list = []
-        for c in sorted(calls, key=lambda c: c[2]):              # post (False) first
-            inst, L, pre = c[0], c[1], c[2]
-            if inst.hook.batched:
-                key = (id(inst.hook), L, pre)
-                if key not in groups:
-                    groups[key] = []
-                    order.append(("batch", key))
-                groups[key].append(c)
-            else:
-                order.append(("one", c))
-        for kind, item in order:
-            if kind == "one":
-                self._one(item)
-            else:
+        self._end = max(c[1].end if isinstance(c[1], _Group) else c[3] + c[4] for c in calls)
+        for c in calls:
+            if isinstance(c[1], _Group):
                 self._flush()
-                self._batch(groups[item])
+                self._batch(c[1], c[2], c[0])
+            else:
+                self._one(c)
         self._flush()
 
     def _rows(self, rows) -> torch.Tensor:
@@ -273,7 +277,7 @@ class _Point:
         return hs[rows] + res[rows] if res is not None else hs[rows].clone()
 
     def _one(self, call) -> None:
-        inst, L, pre, start, count, first = call
+        pre, inst, L, start, count, first = call
         if inst.failed:
             return
         if id(inst.errors) in self._pending_reqs:      # this request's earlier hook wrote
@@ -285,30 +289,19 @@ class _Point:
         if out is not None and self._check(out, h, [inst], L):
             self._pending.append((start, count, out))
             self._pending_reqs.add(id(inst.errors))
-        self.hooks._check_state(inst)
 
-    def _batch(self, calls) -> None:
-        calls = sorted((c for c in calls if not c[0].failed), key=lambda c: c[3])   # row order
-        if not calls:
+    def _batch(self, g: "_Group", L: int, pre: bool) -> None:
+        if not g.live():
             return
-        insts = [c[0] for c in calls]
-        L, pre = calls[0][1], calls[0][2]
-        segs = [(c[3], c[4]) for c in calls]
-        for inst, (_, _, _, start, count, first) in zip(insts, calls):
-            inst.ctx._at(L, pre, first, count)
-        rows = self._index(segs)
+        rows = g.rows if g.rows is not None else g.index(self)
         h = self._rows(rows)
-        offsets, at = [], 0
-        for _, n in segs:
-            offsets.append((at, n))
-            at += n
-        ctx = BatchHookContext([i.ctx for i in insts], offsets, L, pre, self.hooks.access,
+        ctx = BatchHookContext(g.ctxs, g.offsets, L, pre, self.hooks.access,
                                self.hooks.tp_rank, self.hooks.tp_size, self.hooks.num_layers)
-        out = self.hooks.call(insts[0].hook.fn, ctx, h, insts, L)
-        if out is not None and self._check(out, h, insts, L):
+        for c in g.ctxs:
+            c.layer_idx = L
+        out = self.hooks.call(g.insts[0].hook.fn, ctx, h, g.insts, L)
+        if out is not None and self._check(out, h, g.insts, L):
             self._write(rows, out)
-        for inst in insts:
-            self.hooks._check_state(inst)
 
     def _index(self, segs: list[tuple[int, int]]):
         """The rows of `segs`: a slice when they follow one another, else an index tensor."""
@@ -347,3 +340,51 @@ class _Point:
             # The next layer adds hs + res: zero one, the other carries the whole stream.
             hs[rows] = 0
             res[rows] = safe.to(res.dtype)
+
+
+class _Group:
+    """The requests of one batched hook in this step, in row order: their contexts, rows
+    and offsets in `h`, built once and shared by every layer the hook runs at."""
+
+    __slots__ = ("insts", "ctxs", "segs", "offsets", "end", "rows")
+
+    def __init__(self):
+        self.insts: list[HookInstance] = []
+        self.ctxs: list[HookContext] = []
+        self.segs: list[tuple[int, int]] = []
+        self.offsets: list[tuple[int, int]] = []
+        self.end, self.rows = 0, None
+
+    def add(self, inst: HookInstance, start: int, count: int, first: int) -> None:
+        inst.ctx._at(inst.points[0][1], inst.hook.pre, first, count)
+        self.insts.append(inst)
+        self.ctxs.append(inst.ctx)
+        self.offsets.append((self.offsets[-1][0] + self.offsets[-1][1] if self.offsets else 0, count))
+        self.segs.append((start, count))
+        self.end = max(self.end, start + count)
+
+    def live(self) -> bool:
+        """Drop requests whose hook failed at an earlier layer; whether any remain."""
+        if any(i.failed for i in self.insts):
+            keep = [j for j, i in enumerate(self.insts) if not i.failed]
+            pairs = sorted(((self.segs[j], self.insts[j]) for j in keep), key=lambda x: x[0][0])
+            self.insts, self.ctxs, self.segs, self.offsets, self.rows = [], [], [], [], None
+            for (start, count), inst in pairs:
+                self.insts.append(inst)
+                self.ctxs.append(inst.ctx)
+                self.offsets.append((self.offsets[-1][0] + self.offsets[-1][1] if self.offsets else 0, count))
+                self.segs.append((start, count))
+        return bool(self.insts)
+
+    def index(self, point: "_Point"):
+        order = sorted(range(len(self.segs)), key=lambda j: self.segs[j][0])
+        if order != list(range(len(order))):      # rows in row order, as the hook sees them
+            self.insts = [self.insts[j] for j in order]
+            self.ctxs = [self.ctxs[j] for j in order]
+            self.segs = [self.segs[j] for j in order]
+            self.offsets, at = [], 0
+            for _, n in self.segs:
+                self.offsets.append((at, n))
+                at += n
+        self.rows = point._index(self.segs)
+        return self.rows
