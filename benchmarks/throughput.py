@@ -121,7 +121,9 @@ def main() -> None:
     engines = {}
     try:
         for name, native, extra in (("native", True, {}),
-                                    ("plugin", False, {"additional_config": {"vllm_hook": {"capture_pool_rows": 1 << 17}}})):
+                                    # every layer of a full 16,384-token step: 458,752 rows (run 40
+                                    # stopped at 1 << 17)
+                                    ("plugin", False, {"additional_config": {"vllm_hook": {"capture_pool_rows": 1 << 19}}})):
             w, info = start(name, model, {**base, **extra}, out, native=native)
             engines[name] = w
             result["startup"][name] = {k: v for k, v in info.items() if k != "stats"}
