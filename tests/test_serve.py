@@ -745,3 +745,34 @@ def test_extract_over_http_equals_client_results(server, client, tmp_path):
     assert other.manifest.shards == ds.manifest.shards
     for col in ds.columns:
         assert rel_err(other[col].float(), ds[col].float()) <= TOL, col
+
+
+def test_steering_sessions_over_the_server(server, client):
+    """SteerModel / AsyncSteerModel over Client / AsyncClient: the session's steering equals
+    the same spec sent by hand; chat builds the prompt here and keeps message boundaries."""
+    model = vllm_hook.SteerModel(client, tokenizer=tiny_model("qwen2"))
+    assert (model.hidden_size, model.layer_count) == (H, 4)
+    model.set_layer_vector(1, vec(61), scale=3.0)
+    kw = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
+    got = model.generate([P1, P2], capture_layers=[1, 3], **kw)
+    for g, ids in zip(got, (P1, P2)):
+        ref = client.generate(ids, spec={"steer": [_steer("add", 1, 61, scale=3.0)],
+                                         "capture": [{"layers": [1, 3], "tokens": "all"}]}, **kw)
+        assert g.token_ids == ref.token_ids and g.prompt_token_ids == ids
+        for L in (1, 3):
+            assert torch.equal(g.activations(L), ref.results.activations["resid_post"][L])
+    (c,) = model.chat(CHAT, capture_layers=[2], **kw)
+    b = c.message_boundaries
+    assert b[0].start == 0 and b[-1].end == len(c.prompt_token_ids)
+    assert all(x.end == y.start for x, y in zip(b, b[1:]))
+    assert c.activations(2).shape[0] == len(c.prompt_token_ids) + 4
+    model.clear_all_vectors()
+    assert model.generate(P1, **kw)[0].token_ids == client.generate(P1, **kw).token_ids
+
+    async def go():
+        async with vllm_hook.AsyncClient(server.url, api_key=API_KEY) as ac:
+            h = await ac.health()
+            am = vllm_hook.AsyncSteerModel(ac, dims=(h["hidden_size"], h["num_layers"]))
+            am.set_layer_vector(1, vec(61), scale=3.0)
+            return await am.generate([P1], **kw)
+    assert asyncio.run(go())[0].token_ids == got[0].token_ids

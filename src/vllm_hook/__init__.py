@@ -13,10 +13,10 @@ from .hooks import BatchHookContext, Hook, HookContext, operator_hook  # noqa: E
 from .results import Results, results  # noqa: E402
 from .spec import HookRuntimeError, HookSpec, SpecError, UnknownVectorError, encode_vector  # noqa: E402
 from .spec.lens import SteeringVector  # noqa: E402
-from .session import AsyncSteerModel, ChatResponse, SteerModel, SteerResponse  # noqa: E402
+from .session import AsyncSteerModel, ChatResponse, HookLLM, SteerModel, SteerResponse  # noqa: E402
 
 __all__ = [
-    "SteeringVector", "SteerModel", "AsyncSteerModel", "SteerResponse", "ChatResponse",
+    "SteeringVector", "HookLLM", "SteerModel", "AsyncSteerModel", "SteerResponse", "ChatResponse",
     "ActivationDataset", "AsyncClient", "BatchHookContext", "ConfigError", "Client", "Hook", "HookConfig", "HookContext",
     "HookRuntimeError", "HookSpec", "NotFoundError", "ServerError", "Results", "SpecError", "UnknownVectorError",
     "clear_hook_results", "clear_hooks", "collect_hook_results", "delete_vectors", "encode_vector",

@@ -1,8 +1,8 @@
 """Steering sessions: a model object that holds steering state (chatspace-style).
 
-`SteerModel(llm)` over `vllm.LLM`, `AsyncSteerModel(engine)` over `vllm.AsyncLLM`. Both share
-the state (`state.SteeringState`) and the request/response code here; only how a batch is run
-differs. Every request carries a snapshot of the state as its spec, so a change applies to
+`SteerModel(llm)` over `vllm.LLM` or a server (`vllm_hook.Client`), `AsyncSteerModel(engine)`
+over `vllm.AsyncLLM` or `vllm_hook.AsyncClient`. All share the state (`state.SteeringState`)
+and the request/response code here; only how a batch is run differs. Every request carries a snapshot of the state as its spec, so a change applies to
 requests submitted after it, requests in flight keep theirs, and nothing locks.
 """
 
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
+from ..client import AsyncClient, Client
 from ..results import ATTR, Results, results as results_of
 from ..spec.schema import SPEC_KEY
 from .chat import MessageBoundary, chat_prompt
@@ -69,13 +71,17 @@ class ChatResponse(SteerResponse):
 class _Session:
     """What the sync and async sessions share: the state, its setters, request building."""
 
-    def __init__(self, model_config: Any, tokenizer: Any):
-        hf = model_config.hf_config
-        hf = getattr(hf, "text_config", None) or hf
-        self.hidden_size = int(model_config.get_hidden_size())
-        self.layer_count = int(hf.num_hidden_layers)
-        self.tokenizer = tokenizer
+    def __init__(self, hidden_size: int, layer_count: int, tokenizer: Any):
+        self.hidden_size, self.layer_count = int(hidden_size), int(layer_count)
+        self._tokenizer = tokenizer
         self.state = SteeringState(self.hidden_size, self.layer_count)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            raise ValueError("chat() over a server builds the prompt here: pass tokenizer= (a Hugging Face "
+                             "tokenizer or the model's path) to the session")
+        return self._tokenizer
 
     # chatspace names
     def set_layer_vector(self, layer: int, vector, scale: float = 1.0, norm_match: bool = False, tokens="all"):
@@ -113,16 +119,21 @@ class _Session:
         self.state.pop()
 
     # requests
-    def _params(self, sampling_params, sampling: dict, capture_layers) -> Any:
-        from vllm import SamplingParams
-
-        sp = sampling_params.clone() if sampling_params is not None else SamplingParams(**sampling)
+    def _spec(self, capture_layers) -> dict:
+        """The spec of a request submitted now: the state's snapshot and the captures."""
         spec: dict = {}
-        ops = self.state.steer_ops()                 # the snapshot this request runs with
+        ops = self.state.steer_ops()
         if ops:
             spec["steer"] = ops
         if capture_layers:
             spec["capture"] = [{"site": "resid_post", "layers": list(capture_layers), "tokens": "all"}]
+        return spec
+
+    def _params(self, sampling_params, sampling: dict, capture_layers) -> Any:
+        from vllm import SamplingParams
+
+        sp = sampling_params.clone() if sampling_params is not None else SamplingParams(**sampling)
+        spec = self._spec(capture_layers)
         if spec:
             sp.extra_args = {**(sp.extra_args or {}), SPEC_KEY: spec}
         return sp
@@ -140,25 +151,76 @@ class _Session:
         return cls(text=c.text, token_ids=list(c.token_ids), prompt_token_ids=list(out.prompt_token_ids),
                    results=res, raw=out, **extra)
 
+    @staticmethod
+    def _remote_chat(outs, convs, built, continue_final_message: bool) -> list:
+        return [_remote(g, ChatResponse, message_boundaries=b,
+                        prefill=str(c[-1].get("content", "")) if continue_final_message else "")
+                for g, c, (_, b) in zip(outs, convs, built)]
+
     def _chat_responses(self, outs, convs, built, continue_final_message: bool, capture: bool):
         return [self._response(o, capture, ChatResponse, message_boundaries=b,
                                prefill=str(c[-1].get("content", "")) if continue_final_message else "")
                 for o, c, (_, b) in zip(outs, convs, built)]
 
 
-def _prompts(prompts) -> list:
-    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+# SamplingParams fields a server takes by the same name (OpenAI or vLLM extensions).
+HTTP_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+               "presence_penalty", "frequency_penalty", "repetition_penalty", "n")
+
+
+def _http_sampling(sampling_params, sampling: dict) -> dict:
+    """Sampling keywords for a server: `sampling` as given, or a SamplingParams' fields."""
+    if sampling_params is None:
+        return dict(sampling)
+    if sampling:
+        raise ValueError("pass sampling_params or sampling keywords, not both")
+    return {k: getattr(sampling_params, k) for k in HTTP_FIELDS if getattr(sampling_params, k, None) is not None}
+
+
+def _remote(g: Any, cls=SteerResponse, **extra) -> SteerResponse:
+    return cls(text=g.text, token_ids=list(g.token_ids or []), prompt_token_ids=list(g.prompt_token_ids or []),
+               results=g.results, raw=g, **extra)
+
+
+def _dims(model_config: Any) -> tuple[int, int]:
+    hf = model_config.hf_config
+    hf = getattr(hf, "text_config", None) or hf
+    return int(model_config.get_hidden_size()), int(hf.num_hidden_layers)
+
+
+def _tokenizer(tok: Any) -> Any:
+    if isinstance(tok, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tok))
+    return tok
+
+
+def _prompts(prompts, offline: bool = True) -> list:
+    """A batch of prompts: text, token ids or vLLM prompt dicts (one of them, or a list)."""
+    if isinstance(prompts, (str, dict)) or (prompts and all(isinstance(t, int) for t in prompts)):
+        prompts = [prompts]
+    out = list(prompts)
+    return [{"prompt_token_ids": list(p)} if offline and not isinstance(p, (str, dict)) else p for p in out]
 
 
 class SteerModel(_Session):
     """A steering session over `vllm.LLM` (see the module docstring)."""
 
-    def __init__(self, llm: Any):
+    def __init__(self, llm: Any, *, tokenizer: Any = None):
         self.llm = llm
-        super().__init__(llm.llm_engine.model_config, llm.get_tokenizer())
+        if isinstance(llm, Client):
+            h = llm.health()
+            super().__init__(h["hidden_size"], h["num_layers"], _tokenizer(tokenizer))
+        else:
+            super().__init__(*_dims(llm.llm_engine.model_config), llm.get_tokenizer())
 
     def generate(self, prompts: str | Sequence[str], sampling_params=None, *, capture_layers=None,
                  raw_output: bool = False, **sampling) -> list:
+        if isinstance(self.llm, Client):
+            spec, kw = self._spec(capture_layers), _http_sampling(sampling_params, sampling)
+            outs = [self.llm.generate(p, spec=spec or None, **kw) for p in _prompts(prompts, offline=False)]
+            return outs if raw_output else [_remote(g) for g in outs]
         sp = self._params(sampling_params, sampling, capture_layers)
         outs = self.llm.generate(_prompts(prompts), sp, use_tqdm=False)
         return outs if raw_output else [self._response(o, bool(capture_layers)) for o in outs]
@@ -167,6 +229,10 @@ class SteerModel(_Session):
              raw_output: bool = False, chat_template_kwargs: dict | None = None, **sampling) -> list:
         """`conversations`: one list of messages or several. Per conversation a ChatResponse."""
         convs, built = self._chat_inputs(conversations, continue_final_message, chat_template_kwargs or {})
+        if isinstance(self.llm, Client):
+            spec, kw = self._spec(capture_layers), _http_sampling(sampling_params, sampling)
+            outs = [self.llm.generate(list(ids), spec=spec or None, **kw) for ids, _ in built]
+            return outs if raw_output else self._remote_chat(outs, convs, built, continue_final_message)
         sp = self._params(sampling_params, sampling, capture_layers)
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in built], sp, use_tqdm=False)
         return outs if raw_output else self._chat_responses(outs, convs, built, continue_final_message,
@@ -185,9 +251,17 @@ class SteerModel(_Session):
 class AsyncSteerModel(_Session):
     """A steering session over `vllm.AsyncLLM` (for notebooks and services)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, *, tokenizer: Any = None, dims: tuple[int, int] | None = None):
+        """Over an `AsyncClient`, pass `dims=(hidden_size, num_layers)` (from `await
+        client.health()`: a constructor cannot await) and a `tokenizer` for chat()."""
         self.engine = engine
-        super().__init__(engine.model_config, engine.get_tokenizer())
+        if isinstance(engine, AsyncClient):
+            if dims is None:
+                raise ValueError("AsyncSteerModel over an AsyncClient needs dims=(hidden_size, num_layers); "
+                                 "h = await client.health(); dims=(h['hidden_size'], h['num_layers'])")
+            super().__init__(dims[0], dims[1], _tokenizer(tokenizer))
+        else:
+            super().__init__(*_dims(engine.model_config), engine.get_tokenizer())
 
     async def _run(self, prompt, sp) -> Any:
         last = None
@@ -197,6 +271,11 @@ class AsyncSteerModel(_Session):
 
     async def generate(self, prompts, sampling_params=None, *, capture_layers=None, raw_output: bool = False,
                        **sampling) -> list:
+        if isinstance(self.engine, AsyncClient):
+            spec, kw = self._spec(capture_layers), _http_sampling(sampling_params, sampling)
+            outs = await asyncio.gather(*(self.engine.generate(p, spec=spec or None, **kw)
+                                          for p in _prompts(prompts, offline=False)))
+            return list(outs) if raw_output else [_remote(g) for g in outs]
         sp = self._params(sampling_params, sampling, capture_layers)   # the snapshot: now
         outs = await asyncio.gather(*(self._run(p, sp.clone()) for p in _prompts(prompts)))
         return list(outs) if raw_output else [self._response(o, bool(capture_layers)) for o in outs]
@@ -205,6 +284,10 @@ class AsyncSteerModel(_Session):
                    continue_final_message=False, raw_output: bool = False,
                    chat_template_kwargs: dict | None = None, **sampling) -> list:
         convs, built = self._chat_inputs(conversations, continue_final_message, chat_template_kwargs or {})
+        if isinstance(self.engine, AsyncClient):
+            spec, kw = self._spec(capture_layers), _http_sampling(sampling_params, sampling)
+            outs = await asyncio.gather(*(self.engine.generate(list(ids), spec=spec or None, **kw) for ids, _ in built))
+            return list(outs) if raw_output else self._remote_chat(list(outs), convs, built, continue_final_message)
         sp = self._params(sampling_params, sampling, capture_layers)
         outs = await asyncio.gather(*(self._run({"prompt_token_ids": ids}, sp.clone()) for ids, _ in built))
         return list(outs) if raw_output else self._chat_responses(list(outs), convs, built, continue_final_message,
