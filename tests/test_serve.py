@@ -776,3 +776,43 @@ def test_steering_sessions_over_the_server(server, client):
             am.set_layer_vector(1, vec(61), scale=3.0)
             return await am.generate([P1], **kw)
     assert asyncio.run(go())[0].token_ids == got[0].token_ids
+
+
+def test_inspect_eval_through_the_provider(server, client, tmp_path):
+    """A real Inspect eval (3 samples, local) through `vllm-hook/<model>` against the server:
+    the spec rides in extra_body, each output's metadata holds its activations, equal to the
+    same chat request sent by hand."""
+    pytest.importorskip("inspect_ai")
+    from inspect_ai import Task, eval as inspect_eval
+    from inspect_ai.dataset import Sample
+    from inspect_ai.scorer import Score, accuracy, scorer
+    from inspect_ai.solver import generate
+
+    from vllm_hook.inspect_provider import extra_body
+
+    seen: dict[str, dict] = {}
+
+    @scorer(metrics=[accuracy()])
+    def has_activations():
+        async def score(state, target):
+            seen[state.input_text] = state.output.metadata or {}
+            return Score(value=1.0 if "activations" in (state.output.metadata or {}) else 0.0)
+        return score
+
+    words = ("sea", "sky", "sun")
+    task = Task(dataset=[Sample(input=f"Please write a short poem about the {w}", target=w) for w in words],
+                solver=generate(), scorer=has_activations())
+    spec = {"capture": [{"layers": [1, 3], "tokens": "last_prompt"}],
+            "steer": [{"op": "add", "layer": 1, "vector": vec(71), "scale": 2.0}]}     # a tensor: base64
+    (log,) = inspect_eval(task, model=f"vllm-hook/{tiny_model('qwen2')}", model_base_url=f"{server.url}/v1",
+                          model_args={"api_key": API_KEY}, extra_body=extra_body(spec), max_tokens=4,
+                          temperature=0.0, log_dir=str(tmp_path), display="none")
+    assert log.status == "success", log.error
+    assert log.results.scores[0].metrics["accuracy"].value == 1.0 and len(seen) == 3
+    for w in words:
+        text = f"Please write a short poem about the {w}"
+        md = seen[text]
+        ref = client.chat([{"role": "user", "content": text}], spec=spec, max_tokens=4, temperature=0.0)
+        assert md["vllm_hook_errors"] == []
+        for L in (1, 3):
+            assert torch.equal(md["activations"]["resid_post"][L], ref.results.activations["resid_post"][L])
