@@ -816,3 +816,28 @@ def test_inspect_eval_through_the_provider(server, client, tmp_path):
         assert md["vllm_hook_errors"] == []
         for L in (1, 3):
             assert torch.equal(md["activations"]["resid_post"][L], ref.results.activations["resid_post"][L])
+
+
+def test_clients_stream(server, client):
+    """Client.stream / stream_chat and AsyncClient's: the deltas add up to the non-streamed
+    text, the results equal the non-streamed ones; a bad spec raises when iterated."""
+    spec = {"steer": [_steer("add", 1, 1, scale=4.0)], "capture": [{"layers": [1, 2]}]}
+    kw = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = client.generate(P2, spec, **kw)
+    s = client.stream(P2, spec, **kw)
+    deltas = list(s)
+    assert len(deltas) > 1 and "".join(deltas) == s.text == ref.text
+    _same(s.results, ref.results, "stream")
+    c = client.stream_chat(CHAT, spec, **kw)
+    assert "".join(c) == client.chat(CHAT, spec, **kw).text and c.results is not None
+    with pytest.raises(vllm_hook.SpecError, match="layer 9"):
+        list(client.stream(P2, {"capture": [{"layers": [9]}]}, **kw))
+
+    async def go():
+        async with vllm_hook.AsyncClient(server.url, api_key=API_KEY) as ac:
+            a = ac.stream(P2, spec, **kw)
+            got = [d async for d in a]
+            return got, a
+    got, a = asyncio.run(go())
+    assert "".join(got) == ref.text
+    _same(a.results, ref.results, "async stream")

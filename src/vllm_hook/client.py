@@ -4,7 +4,8 @@
     out = client.generate("Tell me about the sea.", spec, max_tokens=32, temperature=0)
     out.text, out.token_ids, out.results.activations["resid_post"][12]
 
-`Client` is synchronous, `AsyncClient` has the same methods as coroutines. Results come back
+`Client` is synchronous, `AsyncClient` has the same methods as coroutines (`stream` /
+`stream_chat` return a `Stream` to iterate, or `async for`, then read `.results`). Results come back
 as the same `Results` objects as offline; results too large to travel inline are fetched by
 handle and then deleted on the server. `Client.results_of(response)` does the same for a
 response (or the extra stream event) obtained with the `openai` package.
@@ -193,6 +194,53 @@ def _generation(body: dict, pairs: list[tuple[int, Results]], chat: bool) -> Gen
     return Generation(id=body.get("id", ""), choices=choices, usage=body.get("usage") or {}, raw=body)
 
 
+@dataclass
+class Stream:
+    """A streamed completion: iterate (or `async for`) for the text deltas of choice 0; once
+    the stream has ended, `text`, `results` (choice 0's) and `events` (every parsed event)."""
+
+    _source: Any
+    chat: bool
+    text: str = ""
+    results: Results | None = None
+    events: list[dict] = field(default_factory=list)
+
+    def _take(self, event: dict) -> str | None:
+        """The text delta of choice 0 in `event`, or None (the results event is kept)."""
+        self.events.append(event)
+        if event.get("object") == "vllm_hook.results" or hook_field(event) is not None:
+            return None
+        for c in event.get("choices") or []:
+            if c.get("index", 0) == 0:
+                piece = ((c.get("delta") or {}).get("content") if self.chat else c.get("text")) or ""
+                self.text += piece
+                return piece or None
+        return None
+
+    def _results_event(self) -> dict | None:
+        return next((e for e in self.events if hook_field(e) is not None), None)
+
+    def __iter__(self):
+        for event in self._source:
+            piece = self._take(event)
+            if piece is not None:
+                yield piece
+
+    async def __aiter__(self):
+        async for event in self._source:
+            piece = self._take(event)
+            if piece is not None:
+                yield piece
+
+
+def _sse(line: str) -> dict | None:
+    """One server-sent event line as JSON; None for blank lines, comments and [DONE]."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return None if data in ("", "[DONE]") else json.loads(data)
+
+
 def _hooks_body(hooks: Sequence[Any]) -> dict:
     return {"hooks": [wire_hook(h) for h in hooks]}
 
@@ -255,6 +303,35 @@ class Client:
         body = _body({"model": self._model(), "messages": messages}, spec, sampling)
         data = self._call("POST", "/v1/chat/completions", json=body).json()
         return _generation(data, self._pairs(data), chat=True)
+
+    def stream(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Stream:
+        """`/v1/completions` streamed: `for delta in client.stream(...)`, then `.results`."""
+        body = _body({"model": self._model(), "prompt": prompt, "stream": True}, spec, sampling)
+        return self._stream("/v1/completions", body, chat=False)
+
+    def stream_chat(self, messages: list[dict], spec: Any = None, **sampling) -> Stream:
+        """`/v1/chat/completions` streamed."""
+        body = _body({"model": self._model(), "messages": messages, "stream": True}, spec, sampling)
+        return self._stream("/v1/chat/completions", body, chat=True)
+
+    def _stream(self, path: str, body: dict, chat: bool) -> Stream:
+        out = Stream(None, chat)
+
+        def events():
+            with self._http.stream("POST", path, json=body) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    _raise_for(resp)
+                for line in resp.iter_lines():
+                    event = _sse(line)
+                    if event is not None:
+                        yield event
+            found = out._results_event()
+            if found is not None:
+                out.results = dict(self._pairs(found)).get(0)
+
+        out._source = events()
+        return out
 
     def results_of(self, response: Any) -> list[Results]:
         """The results in a response (dict, `openai` object or the extra stream event), in
@@ -344,6 +421,34 @@ class AsyncClient:
         body = _body({"model": await self._model(), "messages": messages}, spec, sampling)
         data = (await self._call("POST", "/v1/chat/completions", json=body)).json()
         return _generation(data, await self._pairs(data), chat=True)
+
+    def stream(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Stream:
+        """`async for delta in client.stream(...)`, then `.results`."""
+        return self._stream("/v1/completions", {"prompt": prompt, "stream": True}, spec, sampling, chat=False)
+
+    def stream_chat(self, messages: list[dict], spec: Any = None, **sampling) -> Stream:
+        return self._stream("/v1/chat/completions", {"messages": messages, "stream": True}, spec, sampling,
+                            chat=True)
+
+    def _stream(self, path: str, base: dict, spec: Any, sampling: dict, chat: bool) -> Stream:
+        out = Stream(None, chat)
+
+        async def events():
+            body = _body({"model": await self._model(), **base}, spec, sampling)
+            async with self._http.stream("POST", path, json=body) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    _raise_for(resp)
+                async for line in resp.aiter_lines():
+                    event = _sse(line)
+                    if event is not None:
+                        yield event
+            found = out._results_event()
+            if found is not None:
+                out.results = dict(await self._pairs(found)).get(0)
+
+        out._source = events()
+        return out
 
     async def results_of(self, response: Any) -> list[Results]:
         return [r for _, r in await self._pairs(response)]
