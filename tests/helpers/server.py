@@ -40,10 +40,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(hook_config: dict, arch: str = "qwen2", env_extra: dict | None = None):
+def serving(hook_config: dict, arch: str = "qwen2", env_extra: dict | None = None,
+            model: str | None = None, served_name: str | None = None):
     """Start `vllm serve` with `hook_config` as vllm_hook's engine config; stop it after.
     `env_extra`: environment variables for the server (a soak's baseline runs it with
-    VLLM_HOOK_DISABLE=1)."""
+    VLLM_HOOK_DISABLE=1); `model` / `served_name`: another checkpoint, under another name."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="vllm_hook_serve_")) / "server.log"
     env = {k: v for k, v in os.environ.items()
@@ -51,7 +52,8 @@ def serving(hook_config: dict, arch: str = "qwen2", env_extra: dict | None = Non
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-           "--model", tiny_model(arch), "--dtype", "float32", "--max-model-len", "512",
+           "--model", model or tiny_model(arch), "--dtype", "float32", "--max-model-len", "512",
+           *(["--served-model-name", served_name] if served_name else []),
            "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
            "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
            "--additional-config", json.dumps({"vllm_hook": hook_config})]

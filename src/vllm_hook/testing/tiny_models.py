@@ -55,19 +55,20 @@ def default_cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "vllm_hook" / "fixtures"
 
 
-def _config(arch: str):
+def _config(arch: str, layers: int = 4):
     import transformers as tf
 
+    common = {**_COMMON, "num_hidden_layers": layers}
     if arch == "llama":
-        return tf.LlamaConfig(**_COMMON, architectures=["LlamaForCausalLM"])
+        return tf.LlamaConfig(**common, architectures=["LlamaForCausalLM"])
     if arch == "qwen2":
-        return tf.Qwen2Config(**_COMMON, architectures=["Qwen2ForCausalLM"])
+        return tf.Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
     if arch == "qwen3":
-        return tf.Qwen3Config(**_COMMON, architectures=["Qwen3ForCausalLM"])
+        return tf.Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
     if arch == "gemma2":
         # Soft-capped attention and logits, alternating sliding-window layers (window 16).
         return tf.Gemma2Config(
-            **{**_COMMON, "tie_word_embeddings": True},
+            **{**common, "tie_word_embeddings": True},
             architectures=["Gemma2ForCausalLM"],
             hidden_activation="gelu_pytorch_tanh",
             attn_logit_softcapping=50.0,
@@ -110,18 +111,19 @@ def build_tokenizer(out_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=1))
 
 
-def tiny_model(arch: str = "qwen2", cache_dir: str | Path | None = None, seed: int = 0) -> str:
-    """Path of a tiny random `arch` checkpoint (fp32 safetensors + tokenizer), built once."""
+def tiny_model(arch: str = "qwen2", cache_dir: str | Path | None = None, seed: int = 0, layers: int = 4) -> str:
+    """Path of a tiny random `arch` checkpoint (fp32 safetensors + tokenizer), built once.
+    `layers`: 28 gives the docs' layer numbers (Qwen2-1.5B's count) at the tiny width."""
     import torch
     import transformers as tf
 
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    out = root / f"{arch}-tiny-s{seed}-v1"
+    out = root / (f"{arch}-tiny-s{seed}-v1" if layers == 4 else f"{arch}-tiny-L{layers}-s{seed}-v1")
     if (out / ".complete").exists():
         return str(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    cfg = _config(arch)
+    cfg = _config(arch, layers)
     cfg.dtype = "float32"
     model = tf.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(out, safe_serialization=True)
