@@ -146,3 +146,53 @@ def test_async_session_snapshots_the_state_at_submission(engines):
     assert first.token_ids == again.token_ids and rel_err(first.activations(2), again.activations(2)) <= 1e-5
     assert first.token_ids != after.token_ids
     assert inside.token_ids == after.token_ids and state["steer"][0]["scale"] == 3.0
+
+
+def test_a_chatspace_script_runs_with_the_import_changed(engines):
+    """chatspace's async API (VLLMSteeringConfig, VLLMSteerModel, SteeringSpec of AddSpec /
+    ProjectionCapSpec / AblationSpec, generate/chat with steering_spec and capture handles):
+    its numbers equal the same per-request spec on our session; two concurrent calls with
+    different specs each get their own."""
+    from tests.conftest import DEFAULTS
+    from vllm_hook.session.chatspace import (AblationSpec, AddSpec, LayerSteeringSpec, ProjectionCapSpec,
+                                             SteeringSpec, VLLMSteerModel, VLLMSteeringConfig)
+    from vllm_hook.testing.tiny_models import tiny_model
+
+    engines.close()
+    kw = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        model = VLLMSteerModel(VLLMSteeringConfig(model_name=tiny_model("qwen2"), dtype="float32",
+                                                  max_model_len=512), enforce_eager=True,
+                               kv_cache_memory_bytes=DEFAULTS["kv_cache_memory_bytes"],
+                               additional_config={"vllm_hook": {"projection_layers": [2]}})
+        try:
+            assert (model.hidden_size, model.layer_count) == (H, 4)
+            v = vec(51)
+            spec = VLLMSteerModel.simple_steering(1, v, scale=3.0)
+            spec.layers[2] = LayerSteeringSpec([ProjectionCapSpec(vec(52) / vec(52).norm(), max=0.5),
+                                                AblationSpec(vec(53) / vec(53).norm(), scale=0.0)])
+            other = SteeringSpec({1: LayerSteeringSpec([AddSpec(v / v.norm(), -3.0 * float(v.norm()))])})
+            (texts, handles), (texts2, _) = await asyncio.gather(
+                model.generate([PROMPTS[0]], steering_spec=spec, capture_layers=[1, 3], **kw),
+                model.generate([PROMPTS[0]], steering_spec=other, capture_layers=3, **kw))
+            async with handles[0] as h:
+                caps = h.captures
+            plain = await model.generate(PROMPTS[0], **kw)
+            convs = [{"role": "user", "content": PROMPTS[1]}]
+            (chats, chandles) = await model.chat(convs, steering_spec=spec, capture_layers=[2], **kw)
+            await model.fetch_captures_batch(chandles)
+            m0 = chandles[0].get_message_activations(0, 2)
+            mine = vllm_hook.AsyncSteerModel(model.llm)
+            ref = await mine.generate(PROMPTS[0], capture_layers=[1, 3], steering_spec={"steer": spec.ops()}, **kw)
+            return texts, texts2, caps, plain, chats, m0, chandles[0], ref[0]
+        finally:
+            model.shutdown()
+
+    texts, texts2, caps, plain, chats, m0, ch, ref = asyncio.run(main())
+    assert texts[0] == ref.text != plain[0] and texts2[0] != texts[0]
+    for L in (1, 3):
+        assert torch.equal(caps[L][0]["hidden"], ref.activations(L))
+    b = ch.message_boundaries[0]
+    assert (b.start_token, b.end_token) == (b.start, b.end) and torch.equal(m0, ch.captures[2][0]["hidden"][b.start:b.end])
+    assert chats[0].text and chats[0].message_boundaries[-1].end == len(chats[0].prompt_token_ids)

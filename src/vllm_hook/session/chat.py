@@ -13,6 +13,14 @@ class MessageBoundary:
     end: int
     content: str
 
+    @property
+    def start_token(self) -> int:       # chatspace's names
+        return self.start
+
+    @property
+    def end_token(self) -> int:
+        return self.end
+
 
 def _ids(tok: Any, messages: list[dict], **kw) -> list[int]:
     return list(tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))

@@ -119,21 +119,22 @@ class _Session:
         self.state.pop()
 
     # requests
-    def _spec(self, capture_layers) -> dict:
-        """The spec of a request submitted now: the state's snapshot and the captures."""
+    def _spec(self, capture_layers, steering_spec: Any = None) -> dict:
+        """The spec of a request submitted now: the state's snapshot, then this call's
+        `steering_spec` ops ({"steer": [...]}), and the captures."""
         spec: dict = {}
-        ops = self.state.steer_ops()
+        ops = self.state.steer_ops() + _call_ops(steering_spec)
         if ops:
             spec["steer"] = ops
         if capture_layers:
             spec["capture"] = [{"site": "resid_post", "layers": list(capture_layers), "tokens": "all"}]
         return spec
 
-    def _params(self, sampling_params, sampling: dict, capture_layers) -> Any:
+    def _params(self, sampling_params, sampling: dict, capture_layers, steering_spec: Any = None) -> Any:
         from vllm import SamplingParams
 
         sp = sampling_params.clone() if sampling_params is not None else SamplingParams(**sampling)
-        spec = self._spec(capture_layers)
+        spec = self._spec(capture_layers, steering_spec)
         if spec:
             sp.extra_args = {**(sp.extra_args or {}), SPEC_KEY: spec}
         return sp
@@ -177,6 +178,17 @@ def _http_sampling(sampling_params, sampling: dict) -> dict:
     return {k: getattr(sampling_params, k) for k in HTTP_FIELDS if getattr(sampling_params, k, None) is not None}
 
 
+def _call_ops(steering_spec: Any) -> list:
+    """A call's own steering ops: {"steer": [...]}, a list of ops, or an object with ops()."""
+    if steering_spec is None:
+        return []
+    if hasattr(steering_spec, "ops"):
+        return list(steering_spec.ops())
+    if isinstance(steering_spec, dict):
+        return list(steering_spec.get("steer") or [])
+    return list(steering_spec)
+
+
 def _remote(g: Any, cls=SteerResponse, **extra) -> SteerResponse:
     return cls(text=g.text, token_ids=list(g.token_ids or []), prompt_token_ids=list(g.prompt_token_ids or []),
                results=g.results, raw=g, **extra)
@@ -216,24 +228,25 @@ class SteerModel(_Session):
             super().__init__(*_dims(llm.llm_engine.model_config), llm.get_tokenizer())
 
     def generate(self, prompts: str | Sequence[str], sampling_params=None, *, capture_layers=None,
-                 raw_output: bool = False, **sampling) -> list:
+                 raw_output: bool = False, steering_spec=None, **sampling) -> list:
         if isinstance(self.llm, Client):
-            spec, kw = self._spec(capture_layers), _http_sampling(sampling_params, sampling)
+            spec, kw = self._spec(capture_layers, steering_spec), _http_sampling(sampling_params, sampling)
             outs = [self.llm.generate(p, spec=spec or None, **kw) for p in _prompts(prompts, offline=False)]
             return outs if raw_output else [_remote(g) for g in outs]
-        sp = self._params(sampling_params, sampling, capture_layers)
+        sp = self._params(sampling_params, sampling, capture_layers, steering_spec)
         outs = self.llm.generate(_prompts(prompts), sp, use_tqdm=False)
         return outs if raw_output else [self._response(o, bool(capture_layers)) for o in outs]
 
     def chat(self, conversations, sampling_params=None, *, capture_layers=None, continue_final_message=False,
-             raw_output: bool = False, chat_template_kwargs: dict | None = None, **sampling) -> list:
+             raw_output: bool = False, chat_template_kwargs: dict | None = None, steering_spec=None,
+             **sampling) -> list:
         """`conversations`: one list of messages or several. Per conversation a ChatResponse."""
         convs, built = self._chat_inputs(conversations, continue_final_message, chat_template_kwargs or {})
         if isinstance(self.llm, Client):
-            spec, kw = self._spec(capture_layers), _http_sampling(sampling_params, sampling)
+            spec, kw = self._spec(capture_layers, steering_spec), _http_sampling(sampling_params, sampling)
             outs = [self.llm.generate(list(ids), spec=spec or None, **kw) for ids, _ in built]
             return outs if raw_output else self._remote_chat(outs, convs, built, continue_final_message)
-        sp = self._params(sampling_params, sampling, capture_layers)
+        sp = self._params(sampling_params, sampling, capture_layers, steering_spec)
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in built], sp, use_tqdm=False)
         return outs if raw_output else self._chat_responses(outs, convs, built, continue_final_message,
                                                             bool(capture_layers))
@@ -270,25 +283,25 @@ class AsyncSteerModel(_Session):
         return last
 
     async def generate(self, prompts, sampling_params=None, *, capture_layers=None, raw_output: bool = False,
-                       **sampling) -> list:
+                       steering_spec=None, **sampling) -> list:
         if isinstance(self.engine, AsyncClient):
-            spec, kw = self._spec(capture_layers), _http_sampling(sampling_params, sampling)
+            spec, kw = self._spec(capture_layers, steering_spec), _http_sampling(sampling_params, sampling)
             outs = await asyncio.gather(*(self.engine.generate(p, spec=spec or None, **kw)
                                           for p in _prompts(prompts, offline=False)))
             return list(outs) if raw_output else [_remote(g) for g in outs]
-        sp = self._params(sampling_params, sampling, capture_layers)   # the snapshot: now
+        sp = self._params(sampling_params, sampling, capture_layers, steering_spec)   # the snapshot: now
         outs = await asyncio.gather(*(self._run(p, sp.clone()) for p in _prompts(prompts)))
         return list(outs) if raw_output else [self._response(o, bool(capture_layers)) for o in outs]
 
     async def chat(self, conversations, sampling_params=None, *, capture_layers=None,
                    continue_final_message=False, raw_output: bool = False,
-                   chat_template_kwargs: dict | None = None, **sampling) -> list:
+                   chat_template_kwargs: dict | None = None, steering_spec=None, **sampling) -> list:
         convs, built = self._chat_inputs(conversations, continue_final_message, chat_template_kwargs or {})
         if isinstance(self.engine, AsyncClient):
-            spec, kw = self._spec(capture_layers), _http_sampling(sampling_params, sampling)
+            spec, kw = self._spec(capture_layers, steering_spec), _http_sampling(sampling_params, sampling)
             outs = await asyncio.gather(*(self.engine.generate(list(ids), spec=spec or None, **kw) for ids, _ in built))
             return list(outs) if raw_output else self._remote_chat(list(outs), convs, built, continue_final_message)
-        sp = self._params(sampling_params, sampling, capture_layers)
+        sp = self._params(sampling_params, sampling, capture_layers, steering_spec)
         outs = await asyncio.gather(*(self._run({"prompt_token_ids": ids}, sp.clone()) for ids, _ in built))
         return list(outs) if raw_output else self._chat_responses(list(outs), convs, built, continue_final_message,
                                                                   bool(capture_layers))
