@@ -197,18 +197,18 @@ def _generation(body: dict, pairs: list[tuple[int, Results]], chat: bool) -> Gen
 @dataclass
 class Stream:
     """A streamed completion: iterate (or `async for`) for the text deltas of choice 0; once
-    the stream has ended, `text`, `results` (choice 0's) and `events` (every parsed event)."""
+    the stream has ended, `text` and `results` (choice 0's). Nothing else is kept per event."""
 
     _source: Any
     chat: bool
     text: str = ""
     results: Results | None = None
-    events: list[dict] = field(default_factory=list)
+    _hook_event: dict | None = None
 
     def _take(self, event: dict) -> str | None:
         """The text delta of choice 0 in `event`, or None (the results event is kept)."""
-        self.events.append(event)
         if event.get("object") == "vllm_hook.results" or hook_field(event) is not None:
+            self._hook_event = event
             return None
         for c in event.get("choices") or []:
             if c.get("index", 0) == 0:
@@ -216,9 +216,6 @@ class Stream:
                 self.text += piece
                 return piece or None
         return None
-
-    def _results_event(self) -> dict | None:
-        return next((e for e in self.events if hook_field(e) is not None), None)
 
     def __iter__(self):
         for event in self._source:
@@ -326,9 +323,8 @@ class Client:
                     event = _sse(line)
                     if event is not None:
                         yield event
-            found = out._results_event()
-            if found is not None:
-                out.results = dict(self._pairs(found)).get(0)
+            if out._hook_event is not None:
+                out.results = dict(self._pairs(out._hook_event)).get(0)
 
         out._source = events()
         return out
@@ -443,9 +439,8 @@ class AsyncClient:
                     event = _sse(line)
                     if event is not None:
                         yield event
-            found = out._results_event()
-            if found is not None:
-                out.results = dict(await self._pairs(found)).get(0)
+            if out._hook_event is not None:
+                out.results = dict(await self._pairs(out._hook_event)).get(0)
 
         out._source = events()
         return out
