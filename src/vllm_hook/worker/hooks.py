@@ -363,28 +363,25 @@ class _Group:
         self.segs.append((start, count))
         self.end = max(self.end, start + count)
 
+    def _set(self, pairs) -> None:
+        """The group as ((start, count), instance) pairs, in row order."""
+        self.insts = [i for _, i in pairs]
+        self.ctxs = [i.ctx for i in self.insts]
+        self.segs = [seg for seg, _ in pairs]
+        self.offsets, at = [], 0
+        for _, n in self.segs:
+            self.offsets.append((at, n))
+            at += n
+        self.rows = None
+
     def live(self) -> bool:
         """Drop requests whose hook failed at an earlier layer; whether any remain."""
         if any(i.failed for i in self.insts):
-            keep = [j for j, i in enumerate(self.insts) if not i.failed]
-            pairs = sorted(((self.segs[j], self.insts[j]) for j in keep), key=lambda x: x[0][0])
-            self.insts, self.ctxs, self.segs, self.offsets, self.rows = [], [], [], [], None
-            for (start, count), inst in pairs:
-                self.insts.append(inst)
-                self.ctxs.append(inst.ctx)
-                self.offsets.append((self.offsets[-1][0] + self.offsets[-1][1] if self.offsets else 0, count))
-                self.segs.append((start, count))
+            self._set([(seg, i) for seg, i in zip(self.segs, self.insts) if not i.failed])
         return bool(self.insts)
 
     def index(self, point: "_Point"):
-        order = sorted(range(len(self.segs)), key=lambda j: self.segs[j][0])
-        if order != list(range(len(order))):      # rows in row order, as the hook sees them
-            self.insts = [self.insts[j] for j in order]
-            self.ctxs = [self.ctxs[j] for j in order]
-            self.segs = [self.segs[j] for j in order]
-            self.offsets, at = [], 0
-            for _, n in self.segs:
-                self.offsets.append((at, n))
-                at += n
+        if any(a[0] > b[0] for a, b in zip(self.segs, self.segs[1:])):   # rows in row order, as the hook sees them
+            self._set(sorted(zip(self.segs, self.insts), key=lambda x: x[0][0]))
         self.rows = point._index(self.segs)
         return self.rows
