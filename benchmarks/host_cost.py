@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vllm_hook.adapters.base import NewRequest, SchedulerEvents  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
+from vllm_hook.delivery.spill import spill_target  # noqa: E402
 from vllm_hook.frontend.admission import _admit  # noqa: E402
 from vllm_hook.frontend.delivery import Opened, merge_ranks, no_gc  # noqa: E402
 from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
@@ -80,6 +83,9 @@ def main() -> None:
     args = ap.parse_args()
     n = args.requests
     cfg = HookConfig(capture_pool_rows=65536)
+    # Results travel as the engines send them: one file in shared memory per fetch.
+    shm = tempfile.mkdtemp(prefix="vh_host_cost_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    spill = spill_target(shm)
     ip = frontend(cfg)
     out = {}
     for name, spec in SPECS.items():
@@ -91,17 +97,17 @@ def main() -> None:
         rt.on_events(SchedulerEvents(new=new))
         t_admit = (time.perf_counter() - t) / n
         stored = 0
-        if name.startswith("capture"):                      # one row per point, as a last-prompt capture
+        if name.startswith("capture"):   # one row per point, as a last-prompt capture's prefill step
             for req in rt.requests.values():
-                for c in req.routes.capture:
-                    req.store.add((c.point,), np.array([P - 1]), torch.randn(1, H, dtype=torch.bfloat16), False)
-                    stored += 1
+                for _, _, last_only, _, pts in req.routes.capture_groups:
+                    req.store.add(pts, np.array([P - 1]), torch.randn(len(pts), H, dtype=torch.bfloat16), last_only)
+                    stored += len(pts)
         t = time.perf_counter()
         rt.on_events(SchedulerEvents(finished=frozenset(rt.requests)))
         t_finish = (time.perf_counter() - t) / n
         keys = [r.sampling_params.extra_args["vllm_hook"]["key"] for r in reqs]
         t = time.perf_counter()
-        fetched = merge_ranks([rt.fetch(keys)])
+        fetched = merge_ranks([rt.fetch(keys, spill)])
         t_fetch = (time.perf_counter() - t) / n
         st = ip.__dict__[STATE_ATTR]
         items = [{"site": "resid_post", "layer": x, "sel": "last_prompt", "pos": []} for x in (4, 9, 16, 26)]
@@ -121,6 +127,7 @@ def main() -> None:
                      "frontend_build_us": 1e6 * t_build}
         print(f"{name:30s} {n} requests, µs per request: " + ", ".join(f"{k} {v:.0f}" for k, v in out[name].items()),
               flush=True)
+    shutil.rmtree(shm, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
 

@@ -97,8 +97,9 @@ def report(result: dict) -> str:
 
 def main() -> None:
     ap = bench_parser(__doc__)
-    ap.add_argument("--batches", nargs="+", default=["64x128+1", "64x128+128", "256x128+1", "256x128+128"],
-                    help="NxPROMPT+GEN")
+    ap.add_argument("--batches", nargs="+", help="NxPROMPT+GEN (default 64x128+1 64x128+128 256x128+1 "
+                    "256x128+128; with --smoke 8x16+1 8x16+4)")
+    ap.add_argument("--no-big", action="store_true", help="skip the all-layer all-token capture case")
     ap.add_argument("--workloads", nargs="+", default=["unused", "steer_add_all_layers", "steer_add_1_layer",
                                                         "capture_last_prompt_4_layers", "capture_all_tokens_4_layers",
                                                         "mixed_thirds"])
@@ -111,7 +112,10 @@ def main() -> None:
     big = (32, 512)
     if args.smoke:
         base["enforce_eager"] = True
-        args.batches, args.reps, big = ["8x16+1", "8x16+4"], 2, (4, 64)
+        big = (4, 64)
+        args.batches = args.batches or ["8x16+1", "8x16+4"]
+        args.reps = min(args.reps, 2)
+    args.batches = args.batches or ["64x128+1", "64x128+128", "256x128+1", "256x128+128"]
     cfg = json.loads((Path(model) / "config.json").read_text())
     L = cfg["num_hidden_layers"]
     wl = workloads(L)
@@ -136,8 +140,9 @@ def main() -> None:
                                                 int(n), int(plen), int(gen), args.reps))
                 save()
         n, plen = big
-        result["cases"].append(run_case(engines["native"], engines["plugin"], "capture_all_tokens_all_layers",
-                                        wl["capture_all_tokens_all_layers"], n, plen, 1, args.reps))
+        if not args.no_big:
+            result["cases"].append(run_case(engines["native"], engines["plugin"], "capture_all_tokens_all_layers",
+                                            wl["capture_all_tokens_all_layers"], n, plen, 1, args.reps))
     finally:
         for w in engines.values():
             w.close()

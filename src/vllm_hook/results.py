@@ -78,10 +78,21 @@ class Results:
 
     def _payload(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors = {"token_ids": torch.tensor(self.token_ids, dtype=torch.int64)}
+        seen: set[int] = set()
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            # Layers of one capture group share their positions tensor: safetensors stores
+            # no tensor twice.
+            t = t.contiguous()
+            if t.numel() and t.data_ptr() in seen:
+                return t.clone()
+            seen.add(t.data_ptr())
+            return t
+
         for site, per_layer in self.activations.items():
             for layer, t in per_layer.items():
-                tensors[f"{site}.{layer}"] = t.contiguous()
-                tensors[f"{site}.{layer}.positions"] = self.positions[site][layer].contiguous()
+                tensors[f"{site}.{layer}"] = own(t)
+                tensors[f"{site}.{layer}.positions"] = own(self.positions[site][layer])
         meta = {
             "vllm_hook_version": __version__,
             "model": self.model,
@@ -146,7 +157,10 @@ class Results:
 def _merge(parts: list[tuple]) -> tuple[dict, dict, list[str]]:
     """Per-rank (points, metadata) -> {point: (positions, rows)} for rank 0's residual points,
     the raw per-rank pieces of the head-sharded points, and the errors of all ranks."""
-    ranks = sorted(((p, m) for p, m, _ in parts), key=lambda x: x[1].get("rank", 0))
+    if len(parts) == 1:                 # one rank (no tensor parallelism): nothing to sort
+        ranks = [parts[0][:2]]
+    else:
+        ranks = sorted(((p, m) for p, m, _ in parts), key=lambda x: x[1].get("rank", 0))
     # Every rank runs the same hooks and steering: the same failure is reported once.
     errors = list(dict.fromkeys(e for _, m in ranks for e in m.get("errors", [])))
     return ranks[0][0] if ranks else {}, ranks, errors
@@ -198,14 +212,68 @@ def _parsed(blob) -> tuple:
     return pts, meta, isinstance(blob, torch.Tensor)
 
 
+_PLANS: dict[int, tuple[list, list]] = {}
+_WANT: dict[tuple, np.ndarray] = {}
+_EMPTY_POS = torch.zeros(0, dtype=torch.int64)
+
+
+def _plan(items: list[dict]) -> list[tuple]:
+    """The spec's items per (site, layer): [(site, layer, selectors, heads wanted)]. A batch's
+    requests share one items list (`frontend.cache`): planned once, not per request."""
+    got = _PLANS.get(id(items))
+    if got is not None and got[0] is items:
+        return got[1]
+    groups: dict[tuple[str, int], list[tuple[str, tuple]]] = {}
+    heads: dict[tuple[str, int], set[int]] = {}
+    for it in items:
+        groups.setdefault((it["site"], it["layer"]), []).append((it["sel"], tuple(it["pos"])))
+        if "heads" in it:
+            heads.setdefault((it["site"], it["layer"]), set()).update(it["heads"])
+    plan = [(site, layer, tuple(sels), sorted(heads.get((site, layer), ())))
+            for (site, layer), sels in groups.items()]
+    if len(_PLANS) >= 256:
+        _PLANS.clear()
+    _PLANS[id(items)] = (items, plan)      # the entry keeps items alive: its id is not reused
+    return plan
+
+
+def _wanted(sels: tuple, P: int, limit: int) -> np.ndarray:
+    """The positions (ascending) that `sels` select of a request with P prompt tokens whose
+    rows end before `limit`."""
+    key = (sels, P, limit)
+    got = _WANT.get(key)
+    if got is None:
+        want = np.zeros(limit, dtype=bool)
+        for sel, plist in sels:
+            if sel == "last":
+                want[limit - 1] = True
+            else:
+                want |= selected_mask(sel, plist, np.arange(limit), P)
+        got = np.nonzero(want)[0]
+        if got.nbytes <= 64 << 10:
+            if len(_WANT) >= 512:
+                _WANT.clear()
+            _WANT[key] = got
+    return got
+
+
+def _exactly(pos_np: np.ndarray, want: np.ndarray) -> bool:
+    n = want.shape[0]
+    if pos_np.shape[0] != n:
+        return False
+    return bool(pos_np[0] == want[0]) if n == 1 else bool((pos_np == want).all())
+
+
 def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: PointTable, *,
           request_id: str, prompt_token_ids: list[int], output_token_ids: list[int], index: int = 0,
           model: str = "", extra_errors: list[str] | None = None, head_size: int = 0,
           dtype: str = "float32", hooks: int = 0) -> Results:
     """Assemble a request's results from the workers' per-point rows (one blob per TP rank
     that captured anything) and the spec's items, in `dtype` ("float32", or "model": the
-    captured dtype). In the model dtype, rows of a blob the frontend owns (a uint8 tensor a
-    spilled file was read into) are used as they are; everything else is copied."""
+    captured dtype). Rows the payload's parse already made fresh in `dtype` (`_fresh`: packed
+    small captures, converted once per fetch) and, in the model dtype, rows of a blob the
+    frontend owns (a uint8 tensor a spilled file was read into) are used as they are when
+    every row is selected; everything else is copied."""
     if isinstance(blobs, (bytes, bytearray, torch.Tensor)):
         blobs = [blobs]
     parts = [_parsed(b) for b in blobs or []]
@@ -217,19 +285,15 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
                   errors=errors + list(extra_errors or []))
     if hooks:
         res.hook_results = _hook_results(ranks, hooks, res.errors)
-    groups: dict[tuple[str, int], list[tuple[str, list[int]]]] = {}
+    if not items:
+        return res
     copies: list[tuple[str, int, torch.Tensor]] = []
     owned, used = bool(parts) and all(o for _, _, o in parts), set()
-    wanted_heads: dict[tuple[str, int], set[int]] = {}
-    for it in items:
-        groups.setdefault((it["site"], it["layer"]), []).append((it["sel"], it["pos"]))
-        if "heads" in it:
-            wanted_heads.setdefault((it["site"], it["layer"]), set()).update(it["heads"])
-    for (site, layer), sels in groups.items():
+    fresh = ranks[0][1].get("_fresh", ()) if ranks else ()
+    for site, layer, sels, want_h in _plan(items):
         point = points.col(site, layer)
         if site in ("q", "k", "attn_scores"):
             pos, rows, heads = _sharded(ranks, point, site, layer, head_size)
-            want_h = sorted(wanted_heads.get((site, layer), ()))
             if rows is not None:
                 idx = [heads.index(h) for h in want_h if h in heads]
                 rows, heads = rows[:, idx], [heads[i] for i in idx]
@@ -237,37 +301,40 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
             if set(heads) != set(want_h):
                 res.errors.append(f"{site} layer {layer}: heads {sorted(set(want_h) - set(heads))} "
                                   "were not captured")
+            fresh_rows = False
         else:
-            pos, rows = pts.get(point, (torch.zeros(0, dtype=torch.int64), None))
+            pos, rows = pts.get(point, (_EMPTY_POS, None))
+            fresh_rows = point in fresh
         pos_np = pos.numpy()
+        want = _wanted(sels, P, limit)
+        acts = res.activations.setdefault(site, {})
+        if rows is not None and _exactly(pos_np, want):
+            # The common case: exactly the selected rows were captured.
+            if (fresh_rows or (dtype == "model" and owned)) and id(rows) not in used:
+                used.add(id(rows))                 # resid_pre L+1 is resid_post L: one view each
+                acts[layer] = rows
+            else:
+                copies.append((site, layer, rows))
+            res.positions.setdefault(site, {})[layer] = pos
+            continue
         keep = pos_np < limit
         pos_np = pos_np[keep]
-        mask = np.zeros(pos_np.shape, dtype=bool)
-        want = np.zeros(limit, dtype=bool)
-        for sel, plist in sels:
-            if sel == "last":
-                mask |= pos_np == (limit - 1)
-                want[limit - 1] = True
-            else:
-                mask |= selected_mask(sel, plist, pos_np, P)
-                want |= selected_mask(sel, plist, np.arange(limit), P)
+        mask = np.isin(pos_np, want)
         if rows is None:
-            res.activations.setdefault(site, {})[layer] = torch.zeros(0, 0)
+            acts[layer] = torch.zeros(0, 0)
         else:
             sel = keep.copy()
             sel[keep] = mask
-            if sel.all() and dtype == "model" and owned and id(rows) not in used:
-                used.add(id(rows))                 # resid_pre L+1 is resid_post L: one view each
-                res.activations.setdefault(site, {})[layer] = rows
-            else:
-                copies.append((site, layer, rows if sel.all() else rows[torch.from_numpy(sel)]))
+            copies.append((site, layer, rows if sel.all() else rows[torch.from_numpy(sel)]))
         got = pos_np[mask]
         res.positions.setdefault(site, {})[layer] = torch.from_numpy(got.astype(np.int64))
         # got is a subset of want, without repeats: equal counts mean nothing is missing
-        missing = np.setdiff1d(np.nonzero(want)[0], got) if len(got) != want.sum() else ()
+        missing = np.setdiff1d(want, got) if len(got) != len(want) else ()
         if len(missing):
             res.errors.append(f"{site} layer {layer}: {len(missing)} selected rows were not "
                               f"captured (positions {missing[:8].tolist()}...)")
+    if not copies:
+        return res
     # The rest is copied, each site/layer its own (resid_pre L+1 and resid_post L are one
     # captured point), into one block of host memory: float32 conversions, rows of RPC bytes
     # (read-only), selections.
@@ -278,7 +345,7 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
     block, at, pairs = host_empty((sum(sizes),), torch.uint8), 0, []
     for (site, layer, rows), dt, size in zip(copies, out, sizes):
         t = block[at:at + rows.numel() * dt.itemsize].view(dt).view(rows.shape)
-        res.activations.setdefault(site, {})[layer] = t
+        res.activations[site][layer] = t
         pairs.append((t, rows))
         at += size
     copy_many(pairs)

@@ -156,19 +156,36 @@ def route_step(
                                             last_only, pool, np.array([row], dtype=np.int64)))
                 out.pool_used[pool] = used + len(point_ids)
             continue
-        positions = rows.first_pos + np.arange(rows.count, dtype=np.int64)
-        batch_rows = rows.start + np.arange(rows.count, dtype=np.int64)
+        first, count, start = rows.first_pos, rows.count, rows.start
+        positions = None
         for sel, pos, cols, values in routes.steer_groups:
+            span = _span(sel, P, first, count)
+            if span is not None:              # a contiguous range of the chunk: a slice
+                a, b = span
+                if a < b:
+                    op_idx[start + a:start + b, cols] = values
+                    out.steered_upto = max(out.steered_upto, start + b)
+                continue
+            if positions is None:
+                positions = first + np.arange(count, dtype=np.int64)
             m = selected_mask(sel, pos, positions, P)
             if m.any():
-                sel_rows = batch_rows[m]
+                sel_rows = start + np.flatnonzero(m)
                 op_idx[sel_rows[:, None], cols[None, :]] = values[None, :]
                 out.steered_upto = max(out.steered_upto, int(sel_rows[-1]) + 1)
         for sels, pool, last_only, points, point_ids in routes.capture_groups:
-            m = np.zeros(rows.count, dtype=bool)
-            for sel, pos in sels:
-                m |= selected_mask(sel, pos, positions, P)
-            n = int(m.sum())
+            span = _span(sels[0][0], P, first, count) if len(sels) == 1 else None
+            if span is not None:
+                a, b = span
+                idx = np.arange(a, b, dtype=np.int64)
+            else:
+                if positions is None:
+                    positions = first + np.arange(count, dtype=np.int64)
+                m = np.zeros(count, dtype=bool)
+                for sel, pos in sels:
+                    m |= selected_mask(sel, pos, positions, P)
+                idx = np.flatnonzero(m)
+            n = len(idx)
             if not n:
                 continue
             used = out.pool_used.get(pool, 0)
@@ -177,11 +194,11 @@ def route_step(
                 if owner not in out.overflow:
                     out.overflow.append(owner)
                 continue
-            sel_rows = batch_rows[m]
+            sel_rows = start + idx
             # point g's row i lands at used + g*n + i (point-major, see Segment)
-            block = np.arange(len(points), dtype=np.int64)[None, :] * n + np.arange(n, dtype=np.int64)[:, None]
+            block = np.arange(len(points), dtype=np.int64)[None, :] * n + _offsets(n)[:, None]
             cap_idx[sel_rows[:, None], points[None, :]] = used + block
-            out.segments.append(Segment(owner, point_ids, used, positions[m], last_only, pool,
+            out.segments.append(Segment(owner, point_ids, used, first + idx, last_only, pool,
                                         sel_rows))
             out.pool_used[pool] = used + total
     if cap_rows:
@@ -194,6 +211,23 @@ def route_step(
             np.concatenate(one_vals)
         out.steered_upto = max(out.steered_upto, max(one_rows) + 1)
     return out
+
+
+def _span(sel: str, P: int, first: int, count: int) -> tuple[int, int] | None:
+    """The rows [a, b) of a chunk of `count` positions from `first` that a named selector
+    picks (one range for each but "pos": None), as `selected_mask` would."""
+    if sel == "all":
+        return 0, count
+    if sel == "prompt":
+        return 0, min(count, max(0, P - first))
+    if sel == "generated":
+        return min(count, max(0, P - first)), count
+    if sel == "last_prompt":
+        i = P - 1 - first
+        return (i, i + 1) if 0 <= i < count else (0, 0)
+    if sel == "last":
+        return min(count, max(0, P - 1 - first)), count
+    return None
 
 
 _ARANGE = np.arange(4096, dtype=np.int64)

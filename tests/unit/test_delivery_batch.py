@@ -22,15 +22,16 @@ def _request(j: int, big: bool):
     g = torch.Generator().manual_seed(j)
     s = RequestStore()
     P = 5 + j
-    s.add((0, 2), np.arange(P), torch.randn(2 * P, H, generator=g), False)             # prompt chunk
-    for step in range(3):
-        s.add((0, 2), np.array([P + step]), torch.randn(2, H, generator=g), False)      # decode rows
+    s.add((0, 2), np.arange(P), torch.randn(2 * P, H, generator=g).bfloat16(), False)             # prompt chunk
+    for step in range(4 if j == 2 else 3):   # j = 2: a surplus step's row, dropped at assembly
+        s.add((0, 2), np.array([P + step]), torch.randn(2, H, generator=g).bfloat16(), False)      # decode rows
     if big:                                  # larger than PACK_BELOW: its own entry
-        rows = PACK_BELOW // (4 * H) + 4
-        s.add((3,), np.arange(rows), torch.randn(rows, H, generator=g), False)
+        rows = PACK_BELOW // (2 * H) + 4
+        s.add((3,), np.arange(rows), torch.randn(rows, H, generator=g).bfloat16(), False)
     tensors, structure = encode([{"ids": [torch.arange(j + 1)], "x": float(j)}], "hk")
     meta = {"req_id": f"r{j}", "errors": [f"e{j}"] if j % 2 else [], "rank": 0, "hooks": structure}
     items = [{"site": "resid_post", "layer": L, "sel": "all", "pos": []} for L in (0, 2)]
+    items.append({"site": "resid_pre", "layer": 1, "sel": "all", "pos": []})    # resid_post 0's point
     if big:
         items.append({"site": "resid_post", "layer": 3, "sel": "prompt", "pos": []})
     return s, meta, tensors, items, P
@@ -49,22 +50,38 @@ def _same(a, b):
 
 def test_batch_payload_equals_per_request_payloads(tmp_path):
     reqs = [_request(j, big=j in (1, 4)) for j in range(6)]
-    alone = []
-    for s, meta, tensors, items, P in reqs:
-        blob = s.to_bytes(meta, tensors)
-        alone.append(build(blob, items, TABLE, request_id="x", prompt_token_ids=list(range(P)),
-                           output_token_ids=[1, 2, 3, 4], hooks=1))
+    assert TABLE.col("resid_pre", 1) == TABLE.col("resid_post", 0)
     parts = [(meta, s._tensors(tensors)) for s, meta, tensors, _, _ in reqs]
-    for target in (None, spill.spill_target(str(tmp_path))):     # the RPC's bytes, a shared file
-        wire = batch_to_wire(parts, target)
-        assert ("path" in wire) == (target is not None)
-        buf = spill.open_entry(wire)
-        parsed = parse_batch(buf)
-        assert len(parsed) == len(reqs)
-        for (pts, meta), (_, _, _, items, P), ref in zip(parsed, reqs, alone):
-            got = build([(pts, meta, isinstance(buf, torch.Tensor))], items, TABLE, request_id="x",
-                        prompt_token_ids=list(range(P)), output_token_ids=[1, 2, 3, 4], hooks=1)
-            _same(got, ref)
+    for dtype in ("float32", "model"):
+        alone = []
+        for s, meta, tensors, items, P in reqs:
+            blob = s.to_bytes(meta, tensors)
+            alone.append(build(blob, items, TABLE, request_id="x", prompt_token_ids=list(range(P)),
+                               output_token_ids=[1, 2, 3, 4], hooks=1, dtype=dtype))
+        for target in (None, spill.spill_target(str(tmp_path))):     # the RPC's bytes, a shared file
+            for parse_dtype in (None, dtype):      # rows converted per request, or once per payload
+                wire = batch_to_wire(parts, target, {"rank": 0})
+                assert ("path" in wire) == (target is not None)
+                buf = spill.open_entry(wire)      # each fetch's buffer is its own
+                parsed = parse_batch(buf, parse_dtype)
+                assert len(parsed) == len(reqs)
+                for (pts, meta), (_, _, _, items, P), ref in zip(parsed, reqs, alone):
+                    assert meta["rank"] == 0
+                    got = build([(pts, meta, isinstance(buf, torch.Tensor))], items, TABLE, request_id="x",
+                                prompt_token_ids=list(range(P)), output_token_ids=[1, 2, 3, 4], hooks=1,
+                                dtype=dtype)
+                    _same(got, ref)
+                    acts = got.activations
+                    assert acts["resid_pre"][1] is not acts["resid_post"][0]      # one view each
+                    want = torch.float32 if dtype == "float32" else torch.bfloat16
+                    assert all(t.dtype == want for t in acts["resid_post"].values())
+                    assert got.positions["resid_post"][0].tolist() == list(range(P + 3))
+                    if parse_dtype is not None and not meta.get("_fresh"):
+                        assert any(j in (1, 4) for j in [int(meta["req_id"][1:])])   # only the big ones
+                    # The request's results are its own: writing them changes nobody else's.
+                    acts["resid_post"][2].mul_(2.0)
+                    assert torch.equal(ref.activations["resid_post"][2] * 2.0, acts["resid_post"][2])
+                    got.save(tmp_path / "r.safetensors")
 
 
 def test_served_requests_finishing_together_share_one_fetch():

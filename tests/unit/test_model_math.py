@@ -115,19 +115,19 @@ def test_store_spills_to_a_shared_file_on_the_same_host_only(tmp_path):
     from vllm_hook.delivery.spill import open_entry, spill_target, sweep_spilled
 
     s = RequestStore()
-    rows = torch.arange(12, dtype=torch.float32).reshape(6, 2).to(torch.bfloat16)
-    s.add((3, 5), np.array([0, 1, 2]), rows, last_only=False)
+    rows = torch.arange(120, dtype=torch.float32).reshape(60, 2).to(torch.bfloat16)
+    s.add((3, 5), np.arange(30), rows, last_only=False)
     target = spill_target(str(tmp_path))
     wire = s.to_wire({"rank": 0}, target)
     assert set(wire) == {"path"} and os.path.dirname(wire["path"]) == str(tmp_path)
-    assert set(load_file(wire["path"])) == {"p3", "p3.pos", "p5", "p5.pos"}   # plain safetensors
+    assert set(load_file(wire["path"])) == {"g3-5", "g3-5.pos"}   # plain safetensors: rows of points 3 and 5
     buf = open_entry(wire)                       # read into private memory, file handed back
     (free,) = _spilled(tmp_path)
     assert free.startswith("vllm_hook-free-")
     capacity = os.path.getsize(tmp_path / free)
     pts, meta = points_from_bytes(buf)
-    assert meta == {"rank": 0} and pts[3][0].tolist() == [0, 1, 2]
-    assert torch.equal(pts[3][1], rows[:3]) and torch.equal(pts[5][1], rows[3:])
+    assert meta == {"rank": 0} and pts[3][0].tolist() == list(range(30))
+    assert torch.equal(pts[3][1], rows[:30]) and torch.equal(pts[5][1], rows[30:])
     assert pts[5][1].dtype == torch.bfloat16
     # A smaller result reuses the file (same size: a pad tensor fills the tail); what the
     # frontend read before is its own memory, untouched.
@@ -136,12 +136,12 @@ def test_store_spills_to_a_shared_file_on_the_same_host_only(tmp_path):
     wire = small.to_wire({}, target)
     assert _spilled(tmp_path) == [os.path.basename(wire["path"])]
     assert os.path.getsize(wire["path"]) == capacity
-    assert set(load_file(wire["path"])) == {"p1", "p1.pos", "__pad__"}
+    assert set(load_file(wire["path"])) == {"g1", "g1.pos", "__pad__"}
     buf = open_entry(wire)
     assert len(buf) < capacity                   # read up to the pad, not the whole file
     got, _ = points_from_bytes(buf)
     assert list(got) == [1] and got[1][0].tolist() == [7] and got[1][1].tolist() == [[1.0, 1.0]]
-    assert torch.equal(pts[3][1], rows[:3]) and torch.equal(pts[5][1], rows[3:])
+    assert torch.equal(pts[3][1], rows[:30]) and torch.equal(pts[5][1], rows[30:])
     # A larger one grows it.
     big = RequestStore()
     big.add((2,), np.arange(100), torch.randn(100, 64), last_only=False)

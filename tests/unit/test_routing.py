@@ -242,3 +242,19 @@ def test_op_slots_share_a_slot_on_disjoint_positions():
     assert op_slots([("pos", [3]), ("pos", [4]), ("all", [])]) == ([0, 0, 1], [[], [], [-1]], True)
     # overlapping position lists stack
     assert op_slots([("pos", [1, 2]), ("pos", [2, 3]), ("pos", [5])])[0] == [0, 1, 0]
+
+
+def test_selector_spans_equal_the_masks():
+    """Named selectors route a prompt chunk by slices (`routing._span`): the same rows as
+    `selected_mask` picks, for chunks before, across and after the prompt's end."""
+    from vllm_hook.routing import _span
+    from vllm_hook.spec.resolve import selected_mask
+
+    for sel in ("all", "prompt", "generated", "last_prompt", "last"):
+        for P in (1, 2, 7):
+            for first in range(0, 10):
+                for count in (1, 2, 5):
+                    a, b = _span(sel, P, first, count)
+                    mask = selected_mask(sel, [], first + np.arange(count), P)
+                    assert np.flatnonzero(mask).tolist() == list(range(a, b)), (sel, P, first, count)
+    assert _span("pos", 3, 0, 4) is None

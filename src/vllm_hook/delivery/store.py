@@ -1,9 +1,10 @@
 """Captured rows of one request, on the host, until the frontend fetches them.
 
-Rows arrive per step and per capture point with their token positions. A position can arrive
-twice (a preempted request recomputes its tokens): the newest copy wins. The wire format to
-the frontend is safetensors: `p{point}` [rows, hidden] and `p{point}.pos` [rows]. It travels
-as bytes in the RPC reply, or as a file in shared memory (`spill`).
+Rows arrive per step and per group of capture points with their token positions. A position
+can arrive twice (a preempted request recomputes its tokens): the newest copy wins. The wire
+format to the frontend is safetensors, one entry per group of points that share positions:
+`g{p0}-{p1}-...` [points, rows, hidden] and `g{...}.pos` [rows]. It travels as bytes in the
+RPC reply, or as a file in shared memory (`spill`).
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ class RequestStore:
             del chunks[:-2]
         return True
 
-    def points(self) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
-        """{point: (positions, rows)}, positions ascending, newest copy of each. Rows are views
-        of the stored blocks where no reordering is needed (the common case: one prefill
-        chunk, or steps in order without recomputation)."""
-        out = {}
+    def blocks(self) -> list[tuple[tuple[int, ...], np.ndarray, torch.Tensor]]:
+        """[(points, positions, rows [len(points), len(positions), ...])], positions ascending,
+        newest copy of each. Rows are views of the stored blocks where no reordering is needed
+        (the common case: one prefill chunk, or steps in order without recomputation)."""
+        out = []
         for points, chunks in self._chunks.items():
             G = len(points)
             parts = [c[1].reshape(G, len(c[0]), *c[1].shape[1:]) for c in chunks]
@@ -92,17 +93,22 @@ class RequestStore:
                 rev = pos[::-1]
                 pos, first_in_rev = np.unique(rev, return_index=True)
                 blocks = blocks[:, torch.from_numpy(len(rev) - 1 - first_in_rev)]
-            for g, point in enumerate(points):
-                out[point] = (pos, blocks[g])
+            out.append((points, pos, blocks))
         return out
 
+    def points(self) -> dict[int, tuple[np.ndarray, torch.Tensor]]:
+        """{point: (positions, rows)}: `blocks` split per point."""
+        return {point: (pos, blocks[g]) for points, pos, blocks in self.blocks()
+                for g, point in enumerate(points)}
+
     def _tensors(self, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        # Positions first (int64: aligned from the 8-byte aligned data start), then the rows of
-        # every point in point order: back to back in the file, so the frontend converts them
-        # in one copy (`hostmem.coalesce`).
-        pts = sorted(self.points().items())
-        tensors = {f"p{point}.pos": torch.from_numpy(pos.astype(np.int64)) for point, (pos, _) in pts}
-        tensors.update({f"p{point}": rows.contiguous() for point, (_, rows) in pts})
+        # Per group of points: its positions (int64) and its rows [points, rows, ...], the
+        # points of a group back to back, so the frontend converts them in one copy.
+        tensors = {}
+        for points, pos, blocks in sorted(self.blocks(), key=lambda b: b[0]):
+            name = group_name(points)
+            tensors[name + ".pos"] = torch.from_numpy(pos.astype(np.int64, copy=False))
+            tensors[name] = blocks.contiguous()
         tensors.update(extra or {})
         return tensors
 
@@ -124,15 +130,46 @@ class RequestStore:
 
 
 PACK_BELOW = 64 << 10      # tensors smaller than this are concatenated across a fetch's requests
+_GROUP_NAMES: dict[tuple[int, ...], str] = {}
+_GROUP_POINTS: dict[str, tuple[int, ...]] = {}
 
 
-def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict | None) -> dict[str, Any]:
+def group_name(points: tuple[int, ...]) -> str:
+    """The wire name of a group of points' rows: `g3-8-15-25`."""
+    name = _GROUP_NAMES.get(points)
+    if name is None:
+        name = "g" + "-".join(map(str, points))
+        if len(_GROUP_NAMES) < 4096:
+            _GROUP_NAMES[points] = name
+    return name
+
+
+def _group_points(name: str) -> tuple[int, ...] | None:
+    """Inverse of `group_name` (None for other names: positions, hook results)."""
+    got = _GROUP_POINTS.get(name)
+    if got is None:
+        if name[:1] != "g" or name.endswith(".pos"):
+            return None
+        got = tuple(int(x) for x in name[1:].split("-"))
+        if len(_GROUP_POINTS) < 4096:
+            _GROUP_POINTS[name] = got
+    return got
+
+
+def _axis(name: str) -> int:
+    """The axis a tensor's rows lie along: 1 for a group's rows [points, rows, ...], else 0."""
+    return 1 if name[:1] == "g" and not name.endswith(".pos") else 0
+
+
+def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict | None,
+                  common: dict | None = None) -> dict[str, Any]:
     """Several requests' results as one safetensors payload: one file (or one blob) per fetch,
-    not per request. Small tensors of the same name, dtype and row shape (a last-token capture
-    of 4 layers is 8 of them per request) are concatenated across requests into one, each
-    request's rows recorded in its metadata (`_packed`: name -> [first row, rows]); larger
-    ones keep their own entry ("{j}/{name}"), written straight from where they are. At 256
-    requests, per-tensor and per-file work was most of a small capture's delivery cost."""
+    not per request. Small tensors of the same name, dtype and shape but their rows (a
+    last-token capture of 4 layers is 2 of them per request: rows and positions) are
+    concatenated across requests into one, each request's rows recorded in its metadata
+    (`_packed`: name -> [first row, rows]); larger ones keep their own entry ("{j}/{name}"),
+    written straight from where they are. `common`: metadata every request shares, sent once.
+    At 256 requests, per-tensor and per-file work was most of a small capture's delivery cost."""
     groups: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for j, (_, ts) in enumerate(parts):
         for name, t in ts.items():
@@ -140,17 +177,22 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
     tensors: dict[str, torch.Tensor] = {}
     packed: list[dict[str, list[int]]] = [{} for _ in parts]
     for name, items in groups.items():
-        first = items[0][1]
-        if len(items) > 1 and all(t.dim() >= 1 and t.dtype == first.dtype and t.shape[1:] == first.shape[1:]
+        first, ax = items[0][1], _axis(name)
+        rest = (first.shape[:ax], first.shape[ax + 1:])
+        if len(items) > 1 and all(t.dim() > ax and t.dtype == first.dtype and (t.shape[:ax], t.shape[ax + 1:]) == rest
                                   and t.numel() * t.element_size() < PACK_BELOW for _, t in items):
-            tensors[name] = torch.cat([t for _, t in items])
+            tensors[name] = torch.cat([t for _, t in items], dim=ax)
             at = 0
             for j, t in items:
-                packed[j][name] = [at, t.shape[0]]
-                at += t.shape[0]
+                n = t.shape[ax]
+                packed[j][name] = [at, n]
+                at += n
         else:
             tensors.update({f"{j}/{name}": t for j, t in items})
-    meta = {"vllm_hook": json.dumps({"batch": [{**m, "_packed": pk} for (m, _), pk in zip(parts, packed)]})}
+    body = {"batch": [{**m, "_packed": pk} for (m, _), pk in zip(parts, packed)]}
+    if common:
+        body["common"] = common
+    meta = {"vllm_hook": json.dumps(body)}
     if spill_mod.sees(spill):
         try:
             return {"path": spill_mod.write_spilled(tensors, meta, spill["dir"])}
@@ -178,47 +220,104 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
     return parse_batch(buf)[0]
 
 
-def parse_batch(buf: Any) -> list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]]:
-    """Every request of a payload (`batch_to_wire`, or one `to_bytes`): (points, metadata)."""
+def parse_batch(buf: Any, dtype: str | None = None) -> list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]]:
+    """Every request of a payload (`batch_to_wire`, or one `to_bytes`): (points, metadata).
+
+    With `dtype` ("float32" or "model"), the rows packed across requests are converted (or
+    copied out of read-only bytes) once for the whole payload; each request's rows are then
+    views of that fresh block, listed in its metadata's `_fresh` (points): `results.build`
+    uses them as they are. Other rows are views of `buf`, as without `dtype`."""
     export = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
+    owned = isinstance(buf, torch.Tensor)
     header, data = _header(export)
     meta = json.loads((header.pop("__metadata__", None) or {}).get("vllm_hook", "{}"))
     metas = meta["batch"] if "batch" in meta else [meta]
+    common = meta.get("common") or {}
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in metas]
     shared: dict[str, torch.Tensor] = {}          # packed across the batch's requests
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # bytes are read-only: those views are only read
         # Views of one storage, so tensors that lie back to back can be copied as one.
-        base = buf if isinstance(buf, torch.Tensor) else torch.frombuffer(export, dtype=torch.uint8)
+        base = buf if owned else torch.frombuffer(export, dtype=torch.uint8)
         for full, info in header.items():
             if full == spill_mod.PAD:
                 continue
             j, _, name = full.rpartition("/")
             start, end = info["data_offsets"]
-            dtype, shape = _DTYPES[info["dtype"]], info["shape"]
+            dt, shape = _DTYPES[info["dtype"]], info["shape"]
             if end == start:
-                t = torch.empty(shape, dtype=dtype)
-            elif (data + start) % dtype.itemsize == 0:
-                t = base[data + start:data + end].view(dtype).view(shape)
+                t = torch.empty(shape, dtype=dt)
+            elif (data + start) % dt.itemsize == 0:
+                t = base[data + start:data + end].view(dt).view(shape)
             else:                                # unaligned for its dtype: a copy
-                t = torch.frombuffer(export, dtype=dtype, count=(end - start) // dtype.itemsize,
+                t = torch.frombuffer(export, dtype=dt, count=(end - start) // dt.itemsize,
                                      offset=data + start).view(shape).clone()
             if j or len(metas) == 1:
                 tensors[int(j) if j else 0][name] = t.clone() if name.endswith(".pos") else t
             else:
                 shared[name] = t
+    fresh_rows = set()
+    for name, t in shared.items():
+        # Positions and hook results: the user's to keep and change; copied once for all.
+        if _group_points(name) is None:
+            shared[name] = t.clone()
+        elif dtype is not None:
+            if dtype == "float32" and t.dtype != torch.float32:
+                shared[name] = t.float()
+            elif not owned or dtype == "float32":
+                shared[name] = t.clone()
+            fresh_rows.add(name)
+    metas = [{**common, **m} for m in metas] if common else metas
+    # Each packed tensor split into its requests' pieces in one call (per point of a group):
+    # per request, only dict entries remain.
+    users: dict[str, list[int]] = {}
+    for j, m in enumerate(metas):
+        for name in m.get("_packed", ()):
+            users.setdefault(name, []).append(j)
+    pieces: list[dict[str, Any]] = [{} for _ in metas]
+    for name, js in users.items():
+        t, sizes = shared[name], [metas[j]["_packed"][name][1] for j in js]
+        group = _group_points(name)
+        if group is None:
+            for j, piece in zip(js, torch.split(t, sizes)):
+                pieces[j][name] = piece
+            continue
+        per_point = [torch.split(t[g], sizes) for g in range(len(group))]
+        for k, j in enumerate(js):
+            pieces[j][name] = [pp[k] for pp in per_point]
     out = []
-    for m, ts in zip(metas, tensors):
-        for name, (at, rows) in m.pop("_packed", {}).items():
-            t = shared[name][at:at + rows]
-            ts[name] = t.clone() if name.endswith(".pos") else t
+    for m, ts, got in zip(metas, tensors, pieces):
+        m.pop("_packed", None)
+        fresh: set[int] = set()
         pts, other = {}, {}
+        for name, piece in got.items():
+            group = _group_points(name)
+            if group is None:
+                if name.endswith(".pos"):
+                    ts[name] = piece
+                else:
+                    other[name] = piece
+                continue
+            pos = got.get(name + ".pos")
+            if pos is None:
+                pos = ts[name + ".pos"]
+            for point, rows in zip(group, piece):
+                pts[point] = (pos, rows)
+            if name in fresh_rows:
+                fresh.update(group)
         for name, t in ts.items():
-            if name[:1] == "p" and name[1:].isdigit():
-                pts[int(name[1:])] = (ts[f"{name}.pos"], t)
+            group = _group_points(name)
+            if group is not None:
+                pos = ts.get(name + ".pos")
+                if pos is None:
+                    pos = got[name + ".pos"]
+                for g, point in enumerate(group):
+                    pts[point] = (pos, t[g])
             elif not name.endswith(".pos"):
                 other[name] = t.clone()          # hook results: the user's to keep and change
         if other:
             m["tensors"] = other
+        if fresh:
+            m["_fresh"] = fresh
         out.append((pts, m))
     return out

@@ -9,42 +9,61 @@ resolution (digest, norm): registering or deleting one clears the cache.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import uuid
+import copy
+import io
+import os
+import pickle
 from collections import OrderedDict
 from typing import Any
+
+import numpy as np
+import torch
 
 from ..hooks.hook import Hook
 from ..spec.resolve import Resolved
 
 MAX_ENTRIES = 256
-MAX_KEY_CHARS = 64 << 10      # larger specs (inline vectors) are resolved every time
+MAX_KEY_BYTES = 64 << 10      # larger specs (large inline vectors) are resolved every time
 
 
 class _NotCacheable(Exception):
     pass
 
 
-def cache_key(raw: Any) -> tuple[str | None, list]:
-    """(the spec's content as text, objects the entry must keep alive) or (None, []) when
-    it holds values without a cheap exact text (tensors, arrays) or is large."""
+class _KeyPickler(pickle.Pickler):
+    """Pickles a spec's content exactly, at C speed for dicts, lists, strings and numbers (a
+    28-op spec in about 4 µs, against 25 for sorted JSON); a Hook by identity (vLLM's deep
+    copy keeps one Hook object per batch). Tensors and arrays are refused: the parsed spec
+    would hold the first request's object, which its owner may change in place."""
+
+    def __init__(self, f, keep: list):
+        super().__init__(f, protocol=5)
+        self.keep = keep
+
+    def reducer_override(self, o):
+        if isinstance(o, Hook):
+            self.keep.append(o)               # alive while cached: its id is not reused
+            return str, (f"<hook {id(o)}>",)
+        if isinstance(o, (torch.Tensor, np.ndarray, memoryview, bytearray)):
+            raise _NotCacheable
+        return NotImplemented
+
+
+def cache_key(raw: Any) -> tuple[Any, list]:
+    """(the spec's content as bytes, objects the entry must keep alive) or (None, []) when it
+    holds values without a cheap exact form, or is large. Equal content, equal key: vLLM
+    deep-copies each request's SamplingParams, so a batch's copies are equal, not identical
+    (and a dict's key order is kept by the copy)."""
     if isinstance(raw, (str, bytes)):
-        text = raw if isinstance(raw, str) else raw.decode("utf-8", "replace")
-        return (text, []) if len(text) <= MAX_KEY_CHARS else (None, [])
+        return (raw, []) if len(raw) <= MAX_KEY_BYTES else (None, [])
     keep: list = []
-
-    def default(o):
-        if isinstance(o, Hook):           # one object per batch (Hook.__deepcopy__)
-            keep.append(o)                # alive while cached: its id is not reused
-            return f"<hook {id(o)}>"
-        raise _NotCacheable
-
+    buf = io.BytesIO()
     try:
-        text = json.dumps(raw, sort_keys=True, default=default)
-    except (_NotCacheable, TypeError, ValueError, RecursionError):
+        _KeyPickler(buf, keep).dump(raw)
+    except (_NotCacheable, pickle.PicklingError, TypeError, ValueError, AttributeError, RecursionError):
         return None, []
-    return (text, keep) if len(text) <= MAX_KEY_CHARS else (None, [])
+    key = buf.getvalue()
+    return (key, keep) if len(key) <= MAX_KEY_BYTES else (None, [])
 
 
 class ResolvedCache:
@@ -71,9 +90,10 @@ class ResolvedCache:
             return None
         self._resolved.move_to_end((key, prompt_len))
         self.hits += 1
-        res = got[0]
-        fresh = uuid.uuid4().hex
-        return dataclasses.replace(res, key=fresh, wire={**res.wire, "key": fresh})
+        res = copy.copy(got[0])          # shallow: items and worst_bytes stay shared
+        res.key = os.urandom(16).hex()
+        res.wire = {**res.wire, "key": res.key}
+        return res
 
     def put(self, key: str, prompt_len: int, res: Resolved, keep: list) -> None:
         self._resolved[(key, prompt_len)] = (res, keep)

@@ -50,17 +50,22 @@ class Opened:
     """Payloads read once, however many requests' entries refer to them."""
 
     def __init__(self):
-        self._parsed: dict[int, tuple[Any, list]] = {}
+        self._bufs: dict[int, tuple[Any, Any]] = {}
+        self._parsed: dict[tuple[int, str], list] = {}
 
-    def part(self, entry: dict) -> tuple:
+    def part(self, entry: dict, dtype: str = "float32") -> tuple:
+        """(points, metadata, owned) of one request's entry, its rows packed with others'
+        already in `dtype` (`parse_batch`: one conversion per payload and dtype)."""
         payload = entry["payload"]
-        got = self._parsed.get(id(payload))
+        got = self._bufs.get(id(payload))
         if got is None:
-            buf = open_entry(payload)
-            got = self._parsed[id(payload)] = (payload, parse_batch(buf), isinstance(buf, torch.Tensor))
-        _, parts, owned = got
+            got = self._bufs[id(payload)] = (payload, open_entry(payload))
+        buf = got[1]
+        parts = self._parsed.get((id(payload), dtype))
+        if parts is None:
+            parts = self._parsed[(id(payload), dtype)] = parse_batch(buf, dtype)
         points, meta = parts[entry["j"]]
-        return points, meta, owned
+        return points, meta, isinstance(buf, torch.Tensor)
 
 
 def child_index(req_id: str, n: int) -> int:
@@ -82,7 +87,7 @@ def results_for(st: FrontendState, output: Any, entries: list[dict], res,
     for e in entries:
         i = child_index(e["req_id"], n)
         try:
-            by_index.setdefault(i, []).append(opened.part(e))
+            by_index.setdefault(i, []).append(opened.part(e, res.dtype))
         except OSError as err:          # the spilled file vanished (e.g. deleted by hand)
             lost.setdefault(i, []).append(f"the captured results could not be read: {err}")
     t1 = time.perf_counter()

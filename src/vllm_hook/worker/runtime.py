@@ -252,7 +252,8 @@ class HookRuntime:
         if self.off:
             req.errors.append(self._off_message())
             return
-        check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points)
+        shared = wire.get("sd") in self.shared_steering if wire.get("sd") else False
+        check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points, steer_ops=not shared)
         try:
             steer = self._steering_of(req, wire.get("steer", ()), wire.get("sd"))
         except (TableFull, KeyError) as e:
@@ -588,11 +589,12 @@ class HookRuntime:
         t0 = time.perf_counter()
         entries: dict[str, list[dict]] = {k: [] for k in keys}
         parts = []
+        common = {"rank": self.rank, "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
+                  "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
         for rid, req, store in self._take(keys):
-            meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors,
-                    "rank": self.rank, "attn_heads": {str(k): v for k, v in req.attn_heads.items()},
-                    "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
-                    "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
+            meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors}
+            if req.attn_heads:
+                meta["attn_heads"] = {str(k): v for k, v in req.attn_heads.items()}
             extra = self._hook_tensors(req, meta)
             entries[req.key].append({"req_id": rid, "j": len(parts)})
             parts.append((meta, store._tensors(extra)))
@@ -601,7 +603,7 @@ class HookRuntime:
                 entries[k].append({"req_id": k, "j": len(parts)})
                 parts.append(({"req_id": k, "errors": [self._off_message()], "rank": self.rank}, {}))
         t1 = time.perf_counter()
-        payload = batch_to_wire(parts, spill) if parts else None
+        payload = batch_to_wire(parts, spill, common) if parts else None
         self.timing["write_s"] += time.perf_counter() - t1
         self.timing["fetches"] += 1
         self.timing["fetch_s"] += time.perf_counter() - t0

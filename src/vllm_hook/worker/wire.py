@@ -34,9 +34,11 @@ def _selector(item: dict, what: str) -> None:
         _int(p, 0, MAX_POSITION, f"{what} position")
 
 
-def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable) -> None:
+def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, steer_ops: bool = True) -> None:
     """Raise ValueError naming the first value the per-step path could not take. Vectorised
-    over the steering ops: a spec steering every layer is checked in a few numpy calls."""
+    over the steering ops: a spec steering every layer is checked in a few numpy calls.
+    `steer_ops=False`: the request takes the checked routes of another that steers alike
+    (its own ops are never read), so they are not checked again."""
     _int(wire.get("P"), 1, MAX_POSITION, "prompt length")
     for i, c in enumerate(wire.get("cap", ())):
         what = f"capture {i}"
@@ -44,7 +46,7 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable) -> 
         if not points.has(c.get("site"), L):
             raise ValueError(f"{what}: site {c.get('site')!r} is not instrumented at layer {L}")
         _selector(c, what)
-    steer = wire.get("steer", ())
+    steer = wire.get("steer", ()) if steer_ops else ()
     if not steer:
         return
     try:
