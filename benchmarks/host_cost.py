@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from vllm_hook.adapters.base import NewRequest, SchedulerEvents  # noqa: E402
+from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
 from vllm_hook.delivery.spill import spill_target  # noqa: E402
 from vllm_hook.frontend.admission import _admit  # noqa: E402
@@ -38,6 +38,7 @@ from vllm_hook.spec import ModelInfo  # noqa: E402
 from vllm_hook.worker.runtime import HookRuntime  # noqa: E402
 
 L, H, P = 28, 1536, 128
+MAX_TOKENS = 16384           # vLLM 0.26's max_num_batched_tokens on the H200
 SPECS = {
     "steer_add_all_layers": {"steer": [{"op": "add", "layer": x, "vector": "bench_a", "scale": 0.05} for x in range(L)]},
     "capture_last_prompt_4_layers": {"capture": [{"layers": [4, 9, 16, 26], "tokens": "last_prompt"}]},
@@ -69,11 +70,24 @@ def admit_batch(ip, spec: dict, n: int, cache: bool) -> tuple[float, list]:
 
 def worker(cfg: HookConfig) -> HookRuntime:
     points = PointTable.for_config(L, cfg)
-    shape = BufferShape.for_engine(num_layers=L, hidden=H, max_num_batched_tokens=4096, max_num_seqs=256,
+    shape = BufferShape.for_engine(num_layers=L, hidden=H, max_num_batched_tokens=MAX_TOKENS, max_num_seqs=256,
                                    cfg=cfg, points=points)
     rt = HookRuntime(HookBuffers(shape, torch.bfloat16, torch.device("cpu")), points, cfg)
     rt.register_vectors({"bench_a": np.random.default_rng(0).standard_normal(H).astype(np.float32).tobytes()})
     return rt
+
+
+def step(rt: HookRuntime, ids: list[str], rows_each: int, computed: list[int]) -> float:
+    """Seconds of the worker's routing and copy queueing for one step of `ids`."""
+    k = len(ids)
+    view = StepView(index={r: i for i, r in enumerate(ids)},
+                    query_start_loc=np.arange(k + 1, dtype=np.int32) * rows_each,
+                    num_computed=np.array(computed, dtype=np.int32), num_tokens=k * rows_each,
+                    num_tokens_padded=k * rows_each)
+    t = time.perf_counter()
+    rt.begin_step(view)
+    rt.end_step()
+    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -96,6 +110,13 @@ def main() -> None:
         t = time.perf_counter()
         rt.on_events(SchedulerEvents(new=new))
         t_admit = (time.perf_counter() - t) / n
+        # Routing: the prefill steps (MAX_TOKENS // P requests each), then one decode step.
+        ids = [nr.req_id for nr in new]
+        t_route = 0.0
+        for a in range(0, n, MAX_TOKENS // P):
+            t_route += step(rt, ids[a:a + MAX_TOKENS // P], P, [0] * len(ids[a:a + MAX_TOKENS // P]))
+        t_decode = step(rt, ids, 1, [P] * n) / n
+        t_route /= n
         stored = 0
         if name.startswith("capture"):   # one row per point, as a last-prompt capture's prefill step
             for req in rt.requests.values():
@@ -122,7 +143,8 @@ def main() -> None:
                       prompt_token_ids=list(range(P)), output_token_ids=[1])
             t_build = (time.perf_counter() - t) / n
         out[name] = {"frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
-                     "worker_admit_us": 1e6 * t_admit, "worker_finish_us": 1e6 * t_finish,
+                     "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
+                     "worker_decode_routing_us": 1e6 * t_decode, "worker_finish_us": 1e6 * t_finish,
                      "worker_fetch_us": 1e6 * t_fetch, "frontend_read_us": 1e6 * t_read,
                      "frontend_build_us": 1e6 * t_build}
         print(f"{name:30s} {n} requests, µs per request: " + ", ".join(f"{k} {v:.0f}" for k, v in out[name].items()),

@@ -33,3 +33,52 @@ def test_group_rows_and_a_failure_between_layers():
     assert seen[0] == (1, ["a", "b", "c"], [(0, 1), (1, 3), (4, 2)], [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
     assert seen[1] == (2, ["a", "c"], [(0, 1), (1, 2)], [0.0, 4.0, 5.0])
     assert reqs["b"].spec[0].errors == ["hook 0: test; it runs no more for this request"]
+
+
+def test_call_logs_keep_each_requests_rows_across_steps_and_group_changes():
+    """Batched saves in steady decode go to one CallLog per group and key (one append per
+    call, not per request); a request joining or leaving, a failure or a reorder starts new
+    ones. Whatever happens, each request's saved rows are its own rows of every call, in call
+    order, and nbytes counts them."""
+    from vllm_hook.hooks.state import CallLog, decode, encode, nbytes
+
+    wh = WorkerHooks(_Access(), 4, {2, 3}, HookConfig(hook_layers="all"), 1e4)
+
+    def fn(ctx, h):
+        ctx.save("h", h * 1.0)
+        ctx.save("first", h[:, :1] * 1.0, per_request=False)
+        ctx.save("one", torch.stack([h[a, :2] for a, _ in ctx.segments]), per_request=True)
+        for c, (a, n) in zip(ctx.requests, ctx.segments):     # each request's rows, by hand
+            c.saved.setdefault("_ref", []).append(h[a:a + n].clone())
+
+    hook = Hook(fn, [1, 2], batched=True)
+    wh._built["d"] = hook
+    reqs = {rid: wh.for_request(rid, 8, [{"i": 0, "digest": "d"}], []) for rid in "abcd"}
+
+    def step(layout, k):
+        wh.plan([(reqs[r], start, n, 8 + k) for r, start, n in layout])
+        rows = max(s + n for _, s, n in layout)
+        hs = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4) + 1000 * k
+        wh.run(2, hs, torch.zeros_like(hs))
+        wh.run(3, hs, torch.zeros_like(hs))
+
+    steady = [("a", 0, 1), ("b", 1, 1), ("c", 2, 1)]
+    for k in range(3):
+        step(steady, k)                                  # one epoch: the same CallLogs
+    logs = [p[0] for p in reqs["a"].spec[0].ctx.saved["h"].pieces]
+    assert len(logs) == 1 and isinstance(logs[0], CallLog) and len(logs[0].calls) == 6
+    step([("a", 0, 1), ("c", 1, 1)], 3)                  # b left
+    step([("a", 0, 1), ("c", 1, 1), ("d", 2, 3)], 4)     # d joined with a prompt chunk
+    step([("d", 0, 1), ("a", 1, 1), ("c", 2, 1)], 5)     # reordered: rows sort the group
+    reqs["c"].spec[0].fail("test")
+    step([("a", 0, 1), ("c", 1, 1), ("d", 2, 1)], 6)     # c failed: not called any more
+    for rid, rh in reqs.items():
+        saved = rh.spec[0].ctx.saved
+        ref = saved.pop("_ref", [])
+        got = list(saved["h"])
+        assert len(got) == len(ref) and all(torch.equal(x, y) for x, y in zip(got, ref)), rid
+        assert all(torch.equal(x, y[:, :1]) for x, y in zip(saved["first"], ref))
+        assert all(torch.equal(x, y[:1, :2]) for x, y in zip(saved["one"], ref))
+        assert nbytes(saved) == sum(4 * (r.numel() + r.shape[0] + 2) for r in ref)
+        back = decode(*reversed(encode([saved], "h")))[0]
+        assert all(torch.equal(x, y) for x, y in zip(back["h"], ref))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .state import append_rows
+from .state import CtxList, append_call, append_rows
 
 
 class HookContext:
@@ -69,6 +69,19 @@ class HookContext:
         return self._params.final_norm(h)
 
 
+_ONE_EACH: dict[int, list[tuple[int, int]]] = {}
+
+
+def _one_each(n: int) -> list[tuple[int, int]]:
+    """[(0, 1), (1, 1), ...]: one row per request (shared: never changed)."""
+    got = _ONE_EACH.get(n)
+    if got is None:
+        got = [(i, 1) for i in range(n)]
+        if n <= 4096:
+            _ONE_EACH[n] = got
+    return got
+
+
 class BatchHookContext:
     """`ctx` of a `batched=True` hook: the rows of several requests in one call. Row block
     i of `h` belongs to `requests[i]` (its `saved`, `request_id`, ...)."""
@@ -101,14 +114,23 @@ class BatchHookContext:
         """Append each request's rows of `t` (first dimension = rows of `h`; with
         `per_request`, one row per request) to its `saved[key]`. One call records where each
         request's rows are; nothing is sliced per request until its results are delivered."""
-        saved = [c.saved for c in self.requests]
-        segs = [(i, 1) for i in range(len(saved))] if per_request else self.segments
-        want = len(saved) if per_request else sum(n for _, n in self.segments)
+        reqs = self.requests
+        segs = _one_each(len(reqs)) if per_request else self.segments
+        grouped = reqs.__class__ is CtxList and reqs.epochs is not None
+        if per_request:
+            want = len(reqs)
+        elif grouped:          # the worker's groups: back-to-back segments from row 0
+            want = segs[-1][0] + segs[-1][1] if segs else 0
+        else:
+            want = sum(n for _, n in segs)
         rows = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else -1
         if rows != want:
             raise ValueError(f"ctx.save({key!r}, t): t has {rows} rows, this call has {want}"
                              + ("" if per_request else " (per_request=True: one row per request)"))
-        append_rows(key, t, saved, segs)
+        if grouped:
+            append_call(key, t, reqs, segs)
+        else:
+            append_rows(key, t, [c.saved for c in reqs], segs)
 
     def get_parameter(self, name: str) -> torch.Tensor:
         return self._params(name)

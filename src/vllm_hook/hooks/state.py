@@ -19,37 +19,97 @@ class StateError(TypeError):
     pass
 
 
+class CallLog:
+    """The `ctx.save(key, t)` calls of one batched hook while its group keeps the same
+    requests in the same order (steady decode): each call's tensor and every request's
+    (first row, rows), appended once per call, not once per request. Each request's RowLog
+    holds a run of it (`RowLog.pieces`: (CallLog, member, first call)); a CallLog takes no
+    calls once its group changes, so a run ends where the next piece of its RowLog begins."""
+
+    __slots__ = ("calls", "sig", "_counted", "_rows")
+
+    def __init__(self, sig: tuple, members: int):
+        self.calls: list[tuple[torch.Tensor, list[tuple[int, int]]]] = []
+        self.sig = sig
+        self._counted, self._rows = 0, np.zeros(members, dtype=np.int64)
+
+    def rows(self, j: int) -> int:
+        """Rows member j's calls have saved so far (counted once per call, when asked)."""
+        for _, segs in self.calls[self._counted:]:
+            self._rows += np.fromiter((n for _, n in segs), dtype=np.int64, count=len(segs))
+        self._counted = len(self.calls)
+        return int(self._rows[j])
+
+
 class RowLog:
     """What `ctx.save(key, t)` appends to: each call's rows of this request as pieces
-    (tensor, first row, rows) of a tensor the call's requests share (a batched hook's output).
-    Nothing is sliced per request on the step path; the pieces are copied to the host in one
-    concatenation with the rest of the request's tensors, travel as one tensor with the row
-    count of each call, and arrive as a list of one tensor per call."""
+    (tensor, first row, rows) of a tensor the call's requests share (a batched hook's output),
+    or runs of a CallLog (a batched hook in steady decode). Nothing is sliced per request on
+    the step path; the pieces are copied to the host in one concatenation with the rest of
+    the request's tensors, travel as one tensor with the row count of each call, and arrive
+    as a list of one tensor per call."""
 
     __slots__ = ("pieces", "sig")
 
     def __init__(self, sig: tuple):
-        self.pieces: list[tuple[torch.Tensor, int, int]] = []
+        self.pieces: list[tuple] = []
         self.sig = sig                  # (dtype, row shape, device, bytes per row): one per key
 
     @property
     def nbytes(self) -> int:
-        return self.sig[3] * sum(n for _, _, n in self.pieces)
+        rows = 0
+        for p in self.pieces:
+            if p[0].__class__ is CallLog:
+                log, j, first, before = p
+                rows += log.rows(j) - before
+            else:
+                rows += p[2]
+        return self.sig[3] * rows
 
     def views(self) -> list[torch.Tensor]:
-        return [t[a:a + n] for t, a, n in self.pieces]
+        out = []
+        for p in self.pieces:
+            if p[0].__class__ is CallLog:
+                log, j, first, _ = p
+                for t, segs in log.calls[first:]:
+                    a, n = segs[j]
+                    out.append(t[a:a + n])
+            else:
+                t, a, n = p
+                out.append(t[a:a + n])
+        return out
 
     def __len__(self) -> int:
-        return len(self.pieces)
+        return sum(len(p[0].calls) - p[2] if p[0].__class__ is CallLog else 1 for p in self.pieces)
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            return self.views()[i]
-        t, a, n = self.pieces[i]
-        return t[a:a + n]
+        return self.views()[i]
 
     def __iter__(self):
         return iter(self.views())
+
+
+class CtxList(list):
+    """The contexts of a batched hook's group in one step. `epochs` and `key` (set by the
+    worker) find the group's CallLogs: while the same requests come in the same order, the
+    calls of every step go to the same CallLogs."""
+
+    __slots__ = ("epochs", "key", "epoch")
+
+    def __init__(self, items=(), epochs: dict | None = None, key=None):
+        super().__init__(items)
+        self.epochs, self.key, self.epoch = epochs, key, None
+
+    def logs(self) -> dict | None:
+        """{save key: CallLog} of this group's current epoch (None: no epochs here)."""
+        if self.epoch is None and self.epochs is not None:
+            ep = self.epochs.get(self.key)
+            # The same context objects (held by the epoch, so no new request reuses an id),
+            # in the same order.
+            if ep is None or len(ep[0]) != len(self) or any(a is not b for a, b in zip(ep[0], self)):
+                ep = self.epochs[self.key] = (tuple(self), {})
+            self.epoch = ep[1]
+        return self.epoch
 
 
 class Rows:
@@ -64,9 +124,7 @@ class Rows:
 _SIGS: dict[tuple, tuple] = {}      # interned: a RowLog's signature is checked by identity
 
 
-def append_rows(key: str, t: torch.Tensor, saved: list[dict], segs) -> None:
-    """Append piece (first row, rows) of `t` to the RowLog `key` of each dict in `saved`
-    (`segs[i]` for `saved[i]`; a None count means all of `t`'s rows)."""
+def _signature(key: str, t) -> tuple[torch.Tensor, tuple]:
     if not isinstance(t, torch.Tensor):
         raise StateError(f"ctx.save({key!r}, ...) takes a tensor, got {type(t).__name__}")
     t = t.detach()
@@ -78,6 +136,23 @@ def append_rows(key: str, t: torch.Tensor, saved: list[dict], segs) -> None:
         if len(_SIGS) > 4096:
             _SIGS.clear()
         sig = _SIGS[raw] = raw
+    return t, sig
+
+
+def _log_of(d: dict, key: str, sig: tuple) -> RowLog:
+    log = d.get(key)
+    if log is None:
+        log = d[key] = RowLog(sig)
+    elif log.__class__ is not RowLog or log.sig is not sig:
+        _refuse(key, log, sig)
+        log.sig = sig          # a signature equal to an interned one cleared since
+    return log
+
+
+def append_rows(key: str, t: torch.Tensor, saved: list[dict], segs) -> None:
+    """Append piece (first row, rows) of `t` to the RowLog `key` of each dict in `saved`
+    (`segs[i]` for `saved[i]`; a None count means all of `t`'s rows)."""
+    t, sig = _signature(key, t)
     cls = RowLog
     for d, (a, n) in zip(saved, segs):      # the step path: per request, one lookup and append
         log = d.get(key)
@@ -87,6 +162,21 @@ def append_rows(key: str, t: torch.Tensor, saved: list[dict], segs) -> None:
             _refuse(key, log, sig)
             log.sig = sig          # a signature equal to an interned one cleared since
         log.pieces.append((t, a, n))
+
+
+def append_call(key: str, t: torch.Tensor, ctxs: CtxList, segs: list[tuple[int, int]]) -> None:
+    """A batched call's save: one append to the group's CallLog for `key` (a new CallLog, and
+    a run of it in every request's RowLog, when the group or the signature changed)."""
+    t, sig = _signature(key, t)
+    logs = ctxs.logs()
+    log = logs.get(key)
+    if log is None or log.sig is not sig:
+        log = CallLog(sig, len(ctxs))
+        runs = [_log_of(c.saved, key, sig) for c in ctxs]     # every check before any change
+        for j, rl in enumerate(runs):
+            rl.pieces.append((log, j, 0, 0))
+        logs[key] = log
+    log.calls.append((t, segs))
 
 
 def _refuse(key: str, log, sig: tuple) -> None:

@@ -23,7 +23,7 @@ from ..delivery.hostmem import upload
 from ..hooks import registry
 from ..hooks.context import BatchHookContext, HookContext
 from ..hooks.hook import Hook, unpickle_hook
-from ..hooks.state import StateError, nbytes, to_host
+from ..hooks.state import CtxList, StateError, nbytes, to_host
 from ..model.hook_point import new_owner
 
 log = logging.getLogger("vllm_hook")
@@ -70,6 +70,8 @@ class WorkerHooks:
         self.persistent_results: OrderedDict[str, list] = OrderedDict()
         self.persistent_dropped = 0
         self._plan: dict[int, list] | None = None
+        # Per batched group (hook, points): its requests and CallLogs while they stay the same.
+        self._epochs: dict[tuple, tuple] = {}
         self.timing = dict.fromkeys(("hook_calls", "hook_s", "hook_steps"), 0.0)
         registry.load(tuple(cfg.hook_modules))
 
@@ -140,13 +142,16 @@ class WorkerHooks:
                     key = (id(inst.hook), inst.points)
                     g = groups.get(key)
                     if g is None:
-                        g = groups[key] = _Group()
+                        g = groups[key] = _Group(self._epochs, key)
                         for b, L, pre in inst.points:
                             plan.setdefault(b, []).append((pre, g, L))
                     g.add(inst, start, count, first)
                 else:
                     for b, L, pre in inst.points:
                         plan.setdefault(b, []).append((pre, inst, L, start, count, first))
+        # Call logs of groups not in this step end: a group that comes back starts new ones.
+        for key in [k for k in self._epochs if k not in groups]:
+            del self._epochs[key]
         for calls in plan.values():
             calls.sort(key=lambda c: c[0])          # post (False) first; stable otherwise
         self._plan = plan or None
@@ -348,9 +353,9 @@ class _Group:
 
     __slots__ = ("insts", "ctxs", "segs", "offsets", "end", "rows")
 
-    def __init__(self):
+    def __init__(self, epochs: dict | None = None, key=None):
         self.insts: list[HookInstance] = []
-        self.ctxs: list[HookContext] = []
+        self.ctxs: CtxList = CtxList((), epochs, key)
         self.segs: list[tuple[int, int]] = []
         self.offsets: list[tuple[int, int]] = []
         self.end, self.rows = 0, None
@@ -366,7 +371,7 @@ class _Group:
     def _set(self, pairs) -> None:
         """The group as ((start, count), instance) pairs, in row order."""
         self.insts = [i for _, i in pairs]
-        self.ctxs = [i.ctx for i in self.insts]
+        self.ctxs = CtxList([i.ctx for i in self.insts], self.ctxs.epochs, self.ctxs.key)
         self.segs = [seg for seg, _ in pairs]
         self.offsets, at = [], 0
         for _, n in self.segs:
