@@ -45,7 +45,7 @@ def _rows(saved: dict, key: str) -> tuple[torch.Tensor, list[int]]:
     return torch.cat(saved[key]), torch.cat(saved[key + ".pos"]).tolist()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "mixtral"])
 def test_hook_sees_the_hf_stream_post_and_pre(engines, arch):
     llm = hooks_engine(engines, arch)
     hf = hf_ref.load(tiny_model(arch))
@@ -72,7 +72,7 @@ def _modify(ctx, h):
     return h * 1.25 + 2.0 * v
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "mixtral"])
 def test_modifying_hook_matches_the_same_hook_on_hf(engines, arch):
     llm = hooks_engine(engines, arch, logprobs_mode="raw_logits")
     hf = hf_ref.load(tiny_model(arch))

@@ -14,14 +14,14 @@ import torch
 import vllm_hook
 from tests.helpers import hf_ref
 from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
-from vllm_hook.testing.tiny_models import ARCHS, tiny_model
+from vllm_hook.testing.tiny_models import ARCHS, MORE_ARCHS, tiny_model
 
 pytestmark = pytest.mark.engine
 SITES = ("resid_post", "resid_pre", "attn_out", "mlp_out")
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=ARCHS + MORE_ARCHS)
 def arch_llm(request, engines):
     arch = request.param
     return arch, engines.get(f"{arch}-compiled", arch=arch)
@@ -75,9 +75,11 @@ def test_steering_parity(arch_llm):
     ids = ids_of(llm, PROMPTS[0])
     cases = _cases()
     names = list(cases)
+    # ignore_eos: HF's greedy reference runs 16 steps whatever it samples (random weights
+    # sample the EOS token now and then).
     params = [sp({"steer": [{**op, "vector": op["vector"].tolist()} for op in cases[n]]},
-                 max_tokens=16, logprobs=20) for n in names]
-    params.append(sp(None, max_tokens=16))
+                 max_tokens=16, logprobs=20, ignore_eos=True) for n in names]
+    params.append(sp(None, max_tokens=16, ignore_eos=True))
     repeated = vllm_hook.stats(llm)["timing"]["repeated_steps"]
     outs = run(llm, [ids] * len(params), params)
     assert vllm_hook.stats(llm)["timing"]["repeated_steps"] > repeated

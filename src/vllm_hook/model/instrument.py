@@ -22,7 +22,7 @@ from .layout import POOL_K, POOL_Q, PointTable
 from .steering import capture_rows, steer_delta
 
 _ATTN_NAMES = ("self_attn", "attn", "attention")
-_MLP_NAMES = ("mlp", "feed_forward", "ffn")
+_MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn")   # block_sparse_moe: Mixtral
 _SHARED = ("op_prm", "unit", "pool")
 
 

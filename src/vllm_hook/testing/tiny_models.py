@@ -12,6 +12,9 @@ import os
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma2")
+# Each with its own parity engine in tests/test_architectures.py: Llama-family variants, Gemma 3
+# and two sparse MoE models.
+MORE_ARCHS = ("mistral", "phi3", "gemma3", "mixtral", "qwen3_moe")
 
 _SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 _CHAT_TEMPLATE = (
@@ -76,7 +79,29 @@ def _config(arch: str, layers: int = 4):
             query_pre_attn_scalar=32,
             sliding_window=16,
         )
-    raise ValueError(f"unknown fixture architecture {arch!r}; choose one of {ARCHS}")
+    if arch == "mistral":
+        return tf.MistralConfig(**common, architectures=["MistralForCausalLM"], sliding_window=None)
+    if arch == "phi3":
+        return tf.Phi3Config(**{**common, "pad_token_id": 0}, architectures=["Phi3ForCausalLM"])
+    if arch == "gemma3":
+        # Text-only Gemma 3: q/k norms, pre/post-feedforward norms, local (window 16) and
+        # global layers with their own rope bases.
+        return tf.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True},
+            architectures=["Gemma3ForCausalLM"],
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=32,
+            sliding_window=16,
+        )
+    if arch == "mixtral":
+        # Sparse MoE at every layer: 4 experts, top-2.
+        return tf.MixtralConfig(**common, architectures=["MixtralForCausalLM"], num_local_experts=4,
+                                num_experts_per_tok=2, sliding_window=None)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=128, decoder_sparse_step=1,
+                                 norm_topk_prob=True)
+    raise ValueError(f"unknown fixture architecture {arch!r}; choose one of {ARCHS + MORE_ARCHS}")
 
 
 def build_tokenizer(out_dir: Path) -> None:
@@ -136,5 +161,5 @@ def tiny_model(arch: str = "qwen2", cache_dir: str | Path | None = None, seed: i
 
 
 if __name__ == "__main__":
-    for a in ARCHS:
+    for a in ARCHS + MORE_ARCHS:
         print(tiny_model(a))
