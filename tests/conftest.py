@@ -110,3 +110,12 @@ def preempted_then_alone(llm, prompts, params) -> list[tuple]:
         assert list(together[i].outputs[0].token_ids) == list(alone.outputs[0].token_ids), i
         pairs.append((together[i], alone))
     return pairs
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The version subset's results (tests/test_vllm_versions.py), one line per vLLM release."""
+    import sys
+
+    mod = sys.modules.get("tests.test_vllm_versions")
+    for line in getattr(mod, "SUMMARY", ()):
+        terminalreporter.write_line(f"[vllm versions] {line}")

@@ -177,6 +177,11 @@ class HookConfig(BaseModel):
         description="Served mode: accept client-supplied Python hooks (cloudpickle): remote "
         "code execution on the server. Off: clients may only call operator hooks by name.",
     )
+    allow_untested_vllm: bool = Field(
+        default=False,
+        description="Start on a vLLM release outside the tested range (a warning, not an "
+        "error), at your own risk: its runner internals may differ from what the adapters read.",
+    )
     version: str = __version__
 
     def capture_limits(self) -> tuple[int, int]:

@@ -23,9 +23,11 @@ def test_unknown_vllm_version_fails_loudly(monkeypatch):
     from vllm_hook.adapters.common import UnsupportedVllm, check_version
 
     assert check_version() == vllm.__version__
-    monkeypatch.setattr(vllm, "__version__", "0.29.1")
-    with pytest.raises(UnsupportedVllm, match="supports vLLM 0.26, 0.32, 0.33; this is vLLM 0.29.1"):
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(UnsupportedVllm, match="tested on vLLM 0.26, 0.29, 0.30, 0.31, 0.32; this is "
+                       "vLLM 0.33.0.*allow_untested_vllm=true"):
         check_version()
+    assert check_version(allow_untested=True) == "0.33.0"      # at the operator's own risk
 
 
 def test_missing_runner_attribute_fails_loudly():

