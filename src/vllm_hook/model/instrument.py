@@ -131,6 +131,12 @@ def find_layers(model: nn.Module) -> nn.ModuleList:
         "models with model.layers (Llama, Mistral, Qwen2/3, Gemma/2/3, Phi-3 families)")
 
 
+def local_layers(layers: nn.ModuleList) -> set[int]:
+    """The indexes of the decoder layers this worker runs (with pipeline parallelism, the
+    others are vLLM's PPMissingLayer placeholders)."""
+    return {i for i, layer in enumerate(layers) if type(layer).__name__ != "PPMissingLayer"}
+
+
 def _child(layer: nn.Module, names: tuple[str, ...], site: str) -> nn.Module:
     for n in names:
         m = getattr(layer, n, None)
@@ -154,10 +160,6 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
                max_num_seqs: int, dtype: torch.dtype, hook_owner: int = 0
                ) -> tuple[HookBuffers, PointTable, list]:
     layers = find_layers(model)
-    for layer in layers:
-        if type(layer).__name__ == "PPMissingLayer":
-            raise InstrumentError("vllm-hook does not support pipeline parallelism; use "
-                                  "tensor parallelism (pipeline_parallel_size=1)")
     if len(layers) != info.num_layers:
         raise InstrumentError(f"found {len(layers)} decoder layers, config says {info.num_layers}")
     device = next(model.parameters()).device
@@ -165,9 +167,11 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
     proj = cfg.layers_of(cfg.projection_layers, info.num_layers)
     steer = cfg.steering_layers(info.num_layers)
     wants_qk = "q" in cfg.sites or "k" in cfg.sites
-    attns = [find_attention(layer) for layer in layers] if wants_qk else []
-    q_width = attns[0].num_heads * attns[0].head_size if attns else 0
-    k_width = attns[0].num_kv_heads * attns[0].head_size if attns else 0
+    local = local_layers(layers)
+    attns = [find_attention(layer) if i in local else None for i, layer in enumerate(layers)] if wants_qk else []
+    first = next((a for a in attns if a is not None), None)
+    q_width = first.num_heads * first.head_size if first is not None else 0
+    k_width = first.num_kv_heads * first.head_size if first is not None else 0
     shape = BufferShape.for_engine(num_layers=info.num_layers, hidden=info.hidden_size,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, cfg=cfg, points=points,
@@ -175,6 +179,8 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
     bufs = HookBuffers(shape, dtype=dtype, device=device)
     boundaries = cfg.hook_boundaries(info.num_layers)
     for i, layer in enumerate(layers):
+        if i not in local:                   # another pipeline stage's layer
+            continue
         _swap_class(layer, _LayerHook)
         layer._vh_num_ops = shape.ops_per_layer
         layer._vh_projections = i in proj

@@ -23,18 +23,21 @@ class PointTable:
     site_layers: tuple[int, ...] | None = None    # layers of the opt-in sites (None: all)
     cols: dict = field(init=False)
     pool: dict = field(init=False)
+    writer: dict = field(init=False)               # point -> the decoder layer whose forward writes it
     n_points: int = field(init=False)
 
     def __post_init__(self):
         L = self.num_layers
         cols: dict[tuple[str, int], int] = {("resid_post", i): i for i in range(L)}
         pool = {i: POOL_RESID for i in range(L)}
+        writer = {i: i for i in range(L)}
         nxt = L
 
         def add(site: str, layer: int, p: int) -> None:
             nonlocal nxt
             cols[(site, layer)] = nxt
             pool[nxt] = p
+            writer[nxt] = layer          # resid_pre 0 (the embeddings): layer 0's forward
             nxt += 1
 
         if "resid_pre" in self.sites:
@@ -52,6 +55,7 @@ class PointTable:
                 cols[("attn_scores", i)] = n_points + i   # virtual
         object.__setattr__(self, "cols", cols)
         object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "writer", writer)
         object.__setattr__(self, "n_points", n_points)
 
     @classmethod

@@ -125,11 +125,16 @@ def _slots_by_op(ops) -> list[tuple[int, list]]:
 
 class HookRuntime:
     def __init__(self, bufs: HookBuffers, points: PointTable, cfg: HookConfig, rank: int = 0,
-                 attn_layers: list[AttnLayer] | None = None, hooks: WorkerHooks | None = None):
+                 attn_layers: list[AttnLayer | None] | None = None, hooks: WorkerHooks | None = None,
+                 pp_rank: int = 0, local_layers: set[int] | None = None):
         self.bufs, self.points, self.cfg = bufs, points, cfg
         # The residual stream is identical on every TP rank: rank 0 captures it. Attention
         # heads are sharded: every rank captures its own.
         self.rank = rank
+        # Pipeline parallelism: this worker's stage and the decoder layers it runs; requests'
+        # captures of other layers are the other stages'.
+        self.pp_rank = pp_rank
+        self.local_layers = set(range(points.num_layers)) if local_layers is None else set(local_layers)
         self.attn_layers = attn_layers or []
         self.tables = DeviceTables(bufs)
         self.staging = _Staging(bufs)
@@ -266,12 +271,16 @@ class HookRuntime:
         for c in wire.get("cap", ()):
             site, L, sel = c["site"], int(c["layer"]), (c["sel"], tuple(c["pos"]))
             if site == "attn_scores":
+                if L not in self.local_layers:
+                    continue
                 heads, sels = attn.setdefault(L, (set(), []))
                 heads.update(c["heads"])
                 sels.append(sel)
                 caps.setdefault(self.points.col("q", L), []).append(sel)
                 continue
             point = self.points.col(site, L)
+            if self.points.writer[point] not in self.local_layers:
+                continue               # another pipeline stage captures it
             if self.rank == 0 or self.points.pool_of(point) != POOL_RESID:
                 caps.setdefault(point, []).append(sel)
         capture = tuple(CaptureRoute(p, tuple(dict.fromkeys(s)), all(x[0] == "last" for x in s),
@@ -589,8 +598,9 @@ class HookRuntime:
         t0 = time.perf_counter()
         entries: dict[str, list[dict]] = {k: [] for k in keys}
         parts = []
-        common = {"rank": self.rank, "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers},
-                  "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers}}
+        common = {"rank": self.rank, "pp_rank": self.pp_rank,
+                  "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers if i is not None},
+                  "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers if i is not None}}
         for rid, req, store in self._take(keys):
             meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors}
             if req.attn_heads:
