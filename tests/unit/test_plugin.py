@@ -84,3 +84,20 @@ def test_docs_config_table_lists_every_key():
     documented = set(re.findall(r"^\| `(\w+)` \|", text, flags=re.M))
     keys = set(HookConfig.model_fields) - {"version"}
     assert documented == keys, f"undocumented: {keys - documented}; not in HookConfig: {documented - keys}"
+
+
+def test_only_adapters_import_vllm_internals():
+    """docs/architecture.md's rule: outside `adapters/`, only vLLM's public names
+    (`from vllm import ...`, `import vllm`) are imported."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "src" / "vllm_hook"
+    bad = []
+    for path in root.rglob("*.py"):
+        if "adapters" in path.relative_to(root).parts:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.match(r"\s*(from vllm\.|import vllm\.)", line):
+                bad.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not bad, "vLLM internals imported outside adapters/:\n" + "\n".join(bad)

@@ -137,8 +137,9 @@ class VLLMSteerModel:
             vllm_kwargs.pop(k, None)
         self.cfg = cfg
         if engine is None:
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
+            # vLLM's public names (AsyncLLMEngine is the V1 AsyncLLM).
+            from vllm import AsyncEngineArgs
+            from vllm import AsyncLLMEngine as AsyncLLM
 
             args = dict(model=cfg.model_name, tensor_parallel_size=cfg.tensor_parallel_size,
                         gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=cfg.dtype,
