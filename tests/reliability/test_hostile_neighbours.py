@@ -140,10 +140,10 @@ def _poison_admission(rt, monkeypatch, prompt_len, where):
 
         orig = runtime_mod.check_wire
 
-        def check(wire, *a):
+        def check(wire, *a, **kw):
             if int(wire["P"]) == prompt_len:
                 raise RuntimeError("injected admission failure")
-            return orig(wire, *a)
+            return orig(wire, *a, **kw)
 
         monkeypatch.setattr(runtime_mod, "check_wire", check)
         return

@@ -220,6 +220,10 @@ class WorkerHooks:
         for inst in rh.all:
             inst.calls = STATE_CHECK_EVERY - 1       # the last check, whatever the count
             self._check_state(inst)
+        # Its groups' call logs end (they hold its context, and so its device tensors).
+        mine = {id(inst.ctx) for inst in rh.all}
+        for key in [k for k, (members, _) in self._epochs.items() if any(id(c) in mine for c in members)]:
+            del self._epochs[key]
         spec = [inst.ctx.saved for inst in sorted(rh.spec, key=lambda i: i.index)]
         if rh.persistent and self.tp_rank == 0:
             trees, event = to_host([i.ctx.saved for i in rh.persistent])

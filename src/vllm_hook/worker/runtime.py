@@ -257,7 +257,8 @@ class HookRuntime:
         if self.off:
             req.errors.append(self._off_message())
             return
-        shared = wire.get("sd") in self.shared_steering if wire.get("sd") else False
+        sd = wire.get("sd")
+        shared = isinstance(sd, str) and sd in self.shared_steering
         check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points, steer_ops=not shared)
         try:
             steer = self._steering_of(req, wire.get("steer", ()), wire.get("sd"))
