@@ -153,15 +153,8 @@ def append_rows(key: str, t: torch.Tensor, saved: list[dict], segs) -> None:
     """Append piece (first row, rows) of `t` to the RowLog `key` of each dict in `saved`
     (`segs[i]` for `saved[i]`; a None count means all of `t`'s rows)."""
     t, sig = _signature(key, t)
-    cls = RowLog
-    for d, (a, n) in zip(saved, segs):      # the step path: per request, one lookup and append
-        log = d.get(key)
-        if log is None:
-            log = d[key] = cls(sig)
-        elif log.__class__ is not cls or log.sig is not sig:
-            _refuse(key, log, sig)
-            log.sig = sig          # a signature equal to an interned one cleared since
-        log.pieces.append((t, a, n))
+    for d, (a, n) in zip(saved, segs):
+        _log_of(d, key, sig).pieces.append((t, a, n))
 
 
 def append_call(key: str, t: torch.Tensor, ctxs: CtxList, segs: list[tuple[int, int]]) -> None:
