@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import vllm_hook
 from tests.helpers import hf_ref
 from tests.helpers.common import PROMPTS, ids_of, rel_err
 from tests.test_hooks import hooks_engine
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import activation_patching  # noqa: E402
 import causal_tracing  # noqa: E402
+import deception_probe  # noqa: E402
 import jacobian_lens  # noqa: E402
 import logit_lens  # noqa: E402
 import neuron_ablation  # noqa: E402
@@ -147,3 +149,36 @@ def test_jacobian_lens_equals_hf(llm):
 
     fd = (final(clean[t] + e) - final(clean[t] - e)) / 2e-3
     assert rel_err(fd, J[:, 5]) <= 1e-2
+
+
+@torch.no_grad()
+def test_deception_probe_equals_hf(llm):
+    """The persistent hook's features equal HF's (mean resid_post over the statement tokens,
+    rel 1e-4); the probe fitted on them scores held-out pairs like the probe fitted on HF's
+    (within 1e-3); the persistent hook is gone afterwards."""
+    from vllm_hook.analyzers.hidden_state_probe import fit_probe
+
+    hf = hf_ref.load(tiny_model("qwen2"))
+    tok = llm.get_tokenizer()
+    layer = 2
+    train, test = deception_probe.STATEMENTS[:6], deception_probe.STATEMENTS[6:]
+    probe, p, y = deception_probe.train_and_score(llm, layer, train, test)
+    assert vllm_hook.stats(llm)["persistent_hooks"] == 0
+
+    def hf_features(examples):
+        rows = []
+        for ids, _, m in examples:
+            ref, _ = hf_ref.activations(hf, ids)
+            rows.append(ref["resid_post"][layer][len(ids) - m:].mean(0))
+        return torch.stack(rows)
+
+    tr, te = deception_probe.pairs(tok, train), deception_probe.pairs(tok, test)
+    eng = deception_probe.features(llm, tr, layer)
+    ref = hf_features(tr)
+    assert rel_err(eng, ref) <= 1e-4
+    ref_probe = fit_probe(ref, [lab for _, lab, _ in tr], layer=layer)
+    ref_p = ref_probe.probabilities(hf_features(te))
+    assert p.shape == (len(te),) and y == [lab for _, lab, _ in te]
+    assert float((p - ref_p).abs().max()) <= 1e-3, (p, ref_p)
+    # On the training pairs the probe separates the instructions (random weights: by tokens).
+    assert ((probe.probabilities(eng) > 0.5).long().tolist() == [lab for _, lab, _ in tr])
