@@ -58,6 +58,12 @@ def default_cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "vllm_hook" / "fixtures"
 
 
+def _gemma(common: dict) -> dict:
+    """What the Gemma fixtures share: tied embeddings, tanh-GELU, window-16 sliding layers."""
+    return {**common, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 32, "sliding_window": 16}
+
+
 def _config(arch: str, layers: int = 4):
     import transformers as tf
 
@@ -70,15 +76,8 @@ def _config(arch: str, layers: int = 4):
         return tf.Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
     if arch == "gemma2":
         # Soft-capped attention and logits, alternating sliding-window layers (window 16).
-        return tf.Gemma2Config(
-            **{**common, "tie_word_embeddings": True},
-            architectures=["Gemma2ForCausalLM"],
-            hidden_activation="gelu_pytorch_tanh",
-            attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0,
-            query_pre_attn_scalar=32,
-            sliding_window=16,
-        )
+        return tf.Gemma2Config(**_gemma(common), architectures=["Gemma2ForCausalLM"],
+                               attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
     if arch == "mistral":
         return tf.MistralConfig(**common, architectures=["MistralForCausalLM"], sliding_window=None)
     if arch == "phi3":
@@ -86,13 +85,7 @@ def _config(arch: str, layers: int = 4):
     if arch == "gemma3":
         # Text-only Gemma 3: q/k norms, pre/post-feedforward norms, local (window 16) and
         # global layers with their own rope bases.
-        return tf.Gemma3TextConfig(
-            **{**common, "tie_word_embeddings": True},
-            architectures=["Gemma3ForCausalLM"],
-            hidden_activation="gelu_pytorch_tanh",
-            query_pre_attn_scalar=32,
-            sliding_window=16,
-        )
+        return tf.Gemma3TextConfig(**_gemma(common), architectures=["Gemma3ForCausalLM"])
     if arch == "mixtral":
         # Sparse MoE at every layer: 4 experts, top-2.
         return tf.MixtralConfig(**common, architectures=["MixtralForCausalLM"], num_local_experts=4,
