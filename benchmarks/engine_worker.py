@@ -34,7 +34,7 @@ _PY_HOOKS: dict = {}
 
 def python_hooks(spec):
     """Specs may name per-request Python hooks the worker builds ({"pyhooks": [[name,
-    layers]]}, JSON cannot carry code): "norms" (read-only: each row's norm) and "scale"
+    layers]]}, JSON cannot carry code): "norms" (`read_only`: each row's norm) and "scale"
     (modifying: the stream times 1.001). One object per (name, layers), as a user keeps one."""
     if not spec or "pyhooks" not in spec:
         return spec
@@ -50,7 +50,8 @@ def python_hooks(spec):
     for name, layers in spec["pyhooks"]:
         key = (name, tuple(layers))
         if key not in _PY_HOOKS:
-            _PY_HOOKS[key] = vllm_hook.Hook({"norms": norms, "scale": scale}[name], list(layers))
+            _PY_HOOKS[key] = vllm_hook.Hook({"norms": norms, "scale": scale}[name], list(layers),
+                                            read_only=name == "norms")
         hooks.append(_PY_HOOKS[key])
     return {**{k: v for k, v in spec.items() if k != "pyhooks"}, "hooks": spec.get("hooks", []) + hooks}
 

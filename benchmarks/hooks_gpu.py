@@ -186,6 +186,12 @@ def report(result: dict) -> str:
                 tgt = TARGET_UNUSED if k == "unused" else (TARGET_HOOKED if k not in ("native", "native_eager") else None)
                 verdict = "" if tgt is None or c == 1 and k != "unused" else ("met" if t / nt <= tgt and w / nw <= tgt else "NOT met") + f" (<= {tgt})"
                 lines.append(f"| {c} | {k} | {1e3 * t:.3f} | {t / nt:.3f} | {tps:.0f} | {w / nw:.3f} | {verdict} |")
+    t = (result.get("plugin_stats") or {}).get("timing") or {}
+    if t.get("hook_steps"):
+        lines += ["", f"Hooked steps of the graph engine: {t['hook_steps']:.0f}, of which "
+                  f"{t.get('read_only_steps', 0):.0f} replayed the read-only twin (all hooks read-only); "
+                  f"{t.get('hook_calls', 0):.0f} hook calls, {1e6 * t.get('hook_s', 0) / max(t.get('hook_calls', 0), 1):.0f} µs "
+                  "of host time each."]
     return "\n".join(lines) + "\n"
 
 

@@ -40,6 +40,10 @@ ENGINES = {
     "lean_asserts": {"additional_config": {"vllm_hook": {"index_asserts": True}}},
     # Python hooks (issue 16): hook points at hooks_gpu.py's layers (set at start from the model).
     "hooks": {"additional_config": {"vllm_hook": {"hook_layers": "hooks_gpu"}}},
+    # The same without steering math in the graph: what hook layers alone cost.
+    "hooks_no_steer": {"additional_config": {"vllm_hook": {"hook_layers": "hooks_gpu", "steer_layers": None}}},
+    # A second native process: the estimator's own spread between two identical engines.
+    "native_again": {"native": True},
     "native_noassert": {"native": True,
                         "compilation_config": {"inductor_compile_config": {"assert_indirect_indexing": False}}},
 }
@@ -51,11 +55,12 @@ def run_engine(name: str, model: str, out: Path, batch_sizes: list[int], gen: in
     from vllm import LLM, SamplingParams
 
     extra = {k: v for k, v in ENGINES[name].items() if k != "native"}
-    if name == "hooks":
+    if name.startswith("hooks"):
         from run import tracker_layers
 
         L = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
-        extra = {"additional_config": {"vllm_hook": {"hook_layers": sorted({*tracker_layers(L), L // 2})}}}
+        hook_cfg = {**extra["additional_config"]["vllm_hook"], "hook_layers": sorted({*tracker_layers(L), L // 2})}
+        extra = {"additional_config": {"vllm_hook": hook_cfg}}
     llm = LLM(model, dtype="bfloat16", max_model_len=1024, max_num_seqs=64, skip_tokenizer_init=True,
               gpu_memory_utilization=0.3, seed=0, **extra)
     vocab = llm.llm_engine.model_config.get_vocab_size()

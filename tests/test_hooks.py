@@ -177,6 +177,7 @@ def test_hook_errors_cost_only_their_request(llm):
 
     cases = [({"hooks": [Hook(boom, [1])]}, "raised ValueError: deliberate (layer 1)"),
              ({"hooks": [Hook(lambda c, h: h[:1], [2])]}, "expected a tensor of shape"),
+             ({"hooks": [Hook(lambda c, h: h, [2], read_only=True)]}, "but it is read_only: it must return None"),
              ({"hooks": [Hook(lambda c, h: h * float("nan"), [2])], "capture": [{"layers": [2]}]}, None)]
     good = {"capture": [{"layers": [1, 2]}], "hooks": [Hook(_save_rows, [2])]}
     for spec, words in cases:

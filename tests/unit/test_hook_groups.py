@@ -82,3 +82,37 @@ def test_call_logs_keep_each_requests_rows_across_steps_and_group_changes():
         assert nbytes(saved) == sum(4 * (r.numel() + r.shape[0] + 2) for r in ref)
         back = decode(*reversed(encode([saved], "h")))[0]
         assert all(torch.equal(x, y) for x, y in zip(back["h"], ref))
+
+
+def test_steady_steps_reuse_the_plan_and_move_positions():
+    """A step with the same requests at the same rows reuses the last plan: every hook still
+    sees its own rows and this step's positions; a hook that failed in between is not called;
+    a changed layout plans anew."""
+    wh = WorkerHooks(_Access(), 4, {2, 3}, HookConfig(hook_layers="all"), 1e4)
+    seen = []
+
+    def one(ctx, h):
+        seen.append(("one", ctx.request_id, ctx.positions.tolist(), h[:, 0].tolist()))
+
+    def many(ctx, h):
+        seen.append(("many", [c.request_id for c in ctx.requests], [c.positions.tolist() for c in ctx.requests]))
+
+    wh._built.update({"o": Hook(one, [1]), "m": Hook(many, [2], batched=True)})
+    reqs = {rid: wh.for_request(rid, 8, [{"i": 0, "digest": "o"}, {"i": 1, "digest": "m"}], []) for rid in "ab"}
+    hs = torch.arange(2.0)[:, None].repeat(1, 4)
+    for k in range(3):
+        wh.plan([(reqs["a"], 0, 1, 8 + k), (reqs["b"], 1, 1, 20 + k)])
+        if k == 2:
+            reqs["a"].spec[0].fail("test")
+        wh.run(2, hs, None)
+        wh.run(3, hs, None)
+    assert wh.timing["plans_reused"] == 2
+    assert [s for s in seen if s[0] == "one"] == [
+        ("one", "a", [8], [0.0]), ("one", "b", [20], [1.0]), ("one", "a", [9], [0.0]),
+        ("one", "b", [21], [1.0]), ("one", "b", [22], [1.0])]
+    assert [s[2] for s in seen if s[0] == "many"] == [[[8], [20]], [[9], [21]], [[10], [22]]]
+    wh.plan([(reqs["b"], 0, 1, 23)])                           # a left: a new plan
+    seen.clear()
+    wh.run(2, hs, None)
+    wh.run(3, hs, None)
+    assert wh.timing["plans_reused"] == 2 and seen == [("one", "b", [23], [0.0]), ("many", ["b"], [[23]])]

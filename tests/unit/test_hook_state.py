@@ -64,6 +64,40 @@ def test_to_host_keeps_rowlogs_whole():
     assert back[1]["x"][0].shape == (2, 4) and back[0]["plain"].device.type == "cpu"
 
 
+def test_to_host_of_call_logs_equals_their_views(monkeypatch):
+    """The copy to the host (run here on CPU tensors taken for device ones): a CallLog of
+    uniform calls goes as one stacked block per member; the rows and per-call counts equal
+    the per-call views, with a prompt chunk's call before them and a plain tensor beside."""
+    from vllm_hook.hooks import state
+    from vllm_hook.hooks.state import CtxList
+
+    monkeypatch.setattr(state, "_device", lambda x: "cuda")
+    reqs = [HookContext(f"r{i}", 3, None) for i in range(3)]
+    group = CtxList(reqs, epochs={}, key="k")
+    prompt = BatchHookContext(group, [(0, 2), (2, 3), (5, 1)], 1, False, None)
+    prompt.save("x", torch.randn(6, 4))
+    steady = CtxList(reqs, epochs={}, key="k2")
+    offsets = [(0, 1), (1, 1), (2, 1)]
+    for _ in range(5):
+        BatchHookContext(steady, offsets, 1, False, None).save("y", torch.randn(3, 4))
+    # One CallLog that starts with the last prompt chunks and goes on in steady decode.
+    mixed = CtxList(reqs, epochs={}, key="k3")
+    BatchHookContext(mixed, [(0, 2), (2, 1), (3, 4)], 1, False, None).save("z", torch.randn(7, 4))
+    for _ in range(4):
+        BatchHookContext(mixed, offsets, 1, False, None).save("z", torch.randn(3, 4))
+    reqs[1].saved["plain"] = torch.arange(3.0)
+    keys = ("x", "y", "z")
+    ref = [{k: [v.clone() for v in c.saved[k].views()] for k in keys} for c in reqs]
+    assert steady.logs()["y"].since == 0 and mixed.logs()["z"].since == 1
+    trees, event = to_host([c.saved for c in reqs])
+    assert event is None
+    back = decode(*reversed(encode(trees, "h")))
+    for got, want in zip(back, ref):
+        for k in keys:
+            assert len(got[k]) == len(want[k]) and all(torch.equal(a, b) for a, b in zip(got[k], want[k]))
+    assert torch.equal(back[1]["plain"], torch.arange(3.0))
+
+
 @pytest.mark.parametrize("v,k,chunks", [(4096, 5, 16), (4096, 16, 64), (6000, 3, 16)])
 def test_chunked_topk_logprobs_equal_the_plain_ones(v, k, chunks):
     g = torch.Generator().manual_seed(v + k)

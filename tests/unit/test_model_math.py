@@ -416,7 +416,8 @@ def test_repeated_decode_steps_are_delivered_per_run(monkeypatch):
 
 
 def test_attention_scores_in_chunks_equal_one_pass(monkeypatch):
-    """Chunked over query rows (bounded device memory) = the one-pass softmax, exactly."""
+    """Chunked over query rows (bounded device memory) = the one-pass softmax (to float
+    rounding: BLAS may block a 5-row product differently from a 37-row one)."""
     from vllm_hook.model import attention
 
     g = torch.Generator().manual_seed(3)
@@ -427,7 +428,8 @@ def test_attention_scores_in_chunks_equal_one_pass(monkeypatch):
     one = attention.attention_scores(*args)
     monkeypatch.setattr(attention, "CHUNK_ELEMENTS", h * K * 5)      # 5 rows per chunk
     chunked = attention.attention_scores(*args)
-    assert torch.equal(one, chunked) and one.shape == (n, h, K + 5)
+    assert one.shape == chunked.shape == (n, h, K + 5)
+    assert torch.allclose(one, chunked, rtol=0, atol=1e-6) and torch.equal(one == 0, chunked == 0)
     # A reference: softcapped, causal, windowed softmax per row.
     logits = 30.0 * torch.tanh(torch.einsum("nhd,khd->nhk", q, keys[:, kv_of_head]) * 0.3 / 30.0)
     kpos = torch.arange(K)

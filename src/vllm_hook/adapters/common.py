@@ -103,9 +103,10 @@ def load_model_wrapper(orig):
 
 
 NO_EVENTS = SchedulerEvents()
-# Set while the runner prepares a step in which Python hooks run: the CUDA-graph dispatch
-# must then pick piecewise graphs (or eager), never a FULL replay, which runs no Python.
-HOOK_STEP = {"on": False}
+# Set while the runner runs a step in which Python hooks run ("on"; "read_only": all of them
+# are): the CUDA-graph dispatch must then pick a FULL graph's hooked twin, piecewise graphs or
+# eager, never a plain FULL replay, which runs no Python.
+HOOK_STEP = {"on": False, "read_only": False}
 
 
 def contained(rt: HookRuntime, what: str, fn, *args) -> Any:
@@ -130,13 +131,13 @@ def lifecycle(rt: HookRuntime, scheduler_output: Any) -> None:
 
 def run_step(rt: HookRuntime, scheduler_output: Any, orig, *args, **kwargs):
     """The runner's execute_model, with the step's hook flag set while it dispatches."""
-    on = bool(contained(rt, "reading the scheduled requests",
-                        lambda: rt.hooks_in(scheduler_output.num_scheduled_tokens)))
-    HOOK_STEP["on"] = on
+    kind = contained(rt, "reading the scheduled requests",
+                     lambda: rt.hooks_in(scheduler_output.num_scheduled_tokens)) or 0
+    HOOK_STEP["on"], HOOK_STEP["read_only"] = kind > 0, kind == 1
     try:
         return orig(*args, **kwargs)
     finally:
-        HOOK_STEP["on"] = False
+        HOOK_STEP["on"] = HOOK_STEP["read_only"] = False
 
 
 def events(scheduler_output: Any, track_blocks: bool = False) -> SchedulerEvents:

@@ -30,11 +30,15 @@ def _execute_model(orig):
 
 
 # ---- CUDA graphs for steps with Python hooks --------------------------------------------------
-# A FULL graph replay runs no Python. With hook layers, every FULL graph is captured a second
-# time, broken at the hook points (vLLM's BreakableCUDAGraphCapture, attention kept inside):
-# a decode step with hooked requests replays that one, its hooks running eagerly between the
-# segments. Steps of other shapes use the piecewise graphs, which the hook points split.
+# A FULL graph replay runs no Python. With hook layers, every FULL graph is captured twice more
+# (vLLM's BreakableCUDAGraphCapture, attention kept inside): broken at the hook points, where a
+# decode step with hooked requests runs its hooks eagerly between the segments; and whole,
+# copying the stream at each hook point, for a decode step whose hooks are all read-only: they
+# run after its replay on the copies, so it costs one graph launch, not one per segment.
+# Steps of other shapes use the piecewise graphs, which the hook points split.
 HOOKED = "_vllm_hook_hooked_graphs"
+READS = "_vllm_hook_read_graphs"
+HOOKS = "_vllm_hook_hooks"
 WANT_HOOKED = {"on": False}        # this worker's model has hook points (set at load_model)
 
 
@@ -59,8 +63,11 @@ def _capture(orig):
 
 
 def _capture_hooked(manager, create_forward_fn) -> None:
-    """The twin of every FULL graph, broken at the hook points, as vLLM captures FULL graphs
-    (warm-up with fresh attention state, then capture in the same memory pool)."""
+    """The twins of every FULL graph (broken at the hook points; copying the stream there),
+    as vLLM captures FULL graphs: warm-up with fresh attention state, then capture in the
+    same memory pool."""
+    import weakref
+
     import torch
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
     from vllm.config.compilation import CUDAGraphMode
@@ -71,30 +78,61 @@ def _capture_hooked(manager, create_forward_fn) -> None:
     from ..model.hook_point import BREAKER
 
     descs = manager._capture_descs.get(CUDAGraphMode.FULL, [])
-    hooked = {}
+    if not descs:
+        return
+    rows = max(d.num_tokens for d in descs)
+    targets: list = []
 
-    def breaker(run, boundary, hs, res):
+    def sizer(target, boundary, hs, res):
+        # In a warm-up (no capture): the copies are allocated outside the graph pool.
+        target.make_copy(boundary, hs, rows)
+        if not targets:
+            targets.append(weakref.ref(target))
+
+    def breaker(target, boundary, hs, res):
         # Weak references: the replay writes these addresses, and holding them would pin
         # graph-pool memory across captures (as vLLM's own breakable capture does).
         hs_w, res_w = weak_ref_tensor(hs), (weak_ref_tensor(res) if res is not None else None)
-        BreakableCUDAGraphCapture.current().add_eager(lambda: run(boundary, hs_w, res_w))
+        ref = weakref.ref(target)
+        BreakableCUDAGraphCapture.current().add_eager(lambda: _run(ref, boundary, hs_w, res_w))
 
+    def copier(target, boundary, hs, res):
+        target.copy_point(boundary, hs, res)
+
+    def capture(desc, fn):
+        create_forward_fn(desc, warmup=True)(CUDAGraphMode.NONE)
+        forward_fn = create_forward_fn(desc, warmup=False)
+        get_offloader().sync_prev_onload()
+        BREAKER["fn"] = fn
+        try:
+            with BreakableCUDAGraphCapture(pool=manager.pool) as cap:
+                forward_fn(CUDAGraphMode.NONE)
+                get_offloader().join_after_forward()
+        finally:
+            BREAKER["fn"] = None
+        return cap
+
+    hooked, reads = {}, {}
     with torch.inference_mode(), graph_capture(device=manager.device):
+        BREAKER["fn"] = sizer
+        try:
+            create_forward_fn(descs[0], warmup=True)(CUDAGraphMode.NONE)
+        finally:
+            BREAKER["fn"] = None
         for desc in descs:
-            create_forward_fn(desc, warmup=True)(CUDAGraphMode.NONE)
-            forward_fn = create_forward_fn(desc, warmup=False)
-            get_offloader().sync_prev_onload()
-            BREAKER["fn"] = breaker
-            try:
-                with BreakableCUDAGraphCapture(pool=manager.pool) as cap:
-                    forward_fn(CUDAGraphMode.NONE)
-                    get_offloader().join_after_forward()
-            finally:
-                BREAKER["fn"] = None
-            hooked[desc] = cap
-    manager.__dict__[HOOKED] = hooked
-    log.info("vllm_hook: captured %d FULL CUDA graphs broken at the hook points (%d segments each)",
-             len(hooked), next(iter(hooked.values())).num_graphs if hooked else 0)
+            hooked[desc] = capture(desc, breaker)
+            reads[desc] = capture(desc, copier)
+    manager.__dict__[HOOKED], manager.__dict__[READS] = hooked, reads
+    manager.__dict__[HOOKS] = targets[0] if targets else None
+    log.info("vllm_hook: captured %d FULL CUDA graphs broken at the hook points (%d segments each) "
+             "and %d copying the stream there for read-only hooks", len(hooked),
+             next(iter(hooked.values())).num_graphs if hooked else 0, len(reads))
+
+
+def _run(ref, boundary, hs, res) -> None:
+    target = ref()
+    if target is not None:
+        target.run(boundary, hs, res)
 
 
 def _run_fullgraph(orig):
@@ -104,7 +142,14 @@ def _run_fullgraph(orig):
             from vllm.model_executor.offloader.base import get_offloader
 
             get_offloader().sync_prev_onload()
-            hooked[desc].replay()
+            reads = self.__dict__.get(READS) or {}
+            ref = self.__dict__.get(HOOKS)
+            target = ref() if ref is not None else None
+            if HOOK_STEP["read_only"] and desc in reads and target is not None:
+                reads[desc].replay()
+                target.run_copies()      # on the copies, queued after the replay
+            else:
+                hooked[desc].replay()
             return None
         return orig(self, desc)
     return run_fullgraph

@@ -106,7 +106,8 @@ def logit_lens(layers: list[int], k: int = 5, tokens: Literal["all", "last"] = "
                 sub.save(f"layer{L}.logprobs", lps[part], per_request=tokens == "last")
         return None
 
-    return Hook(fn, layers, batched=True, name="logit_lens", args={"layers": layers, "k": k, "tokens": tokens})
+    return Hook(fn, layers, batched=True, name="logit_lens", args={"layers": layers, "k": k, "tokens": tokens},
+                read_only=True)
 
 
 @operator_hook("zero_dims")
@@ -139,4 +140,4 @@ def stream_norms(layers: list[int]) -> Hook:
         ctx.save(f"layer{ctx.layer_idx}", h.float().norm(dim=-1))
         return None
 
-    return Hook(fn, layers, batched=True, name="stream_norms", args={"layers": layers})
+    return Hook(fn, layers, batched=True, name="stream_norms", args={"layers": layers}, read_only=True)

@@ -28,6 +28,11 @@ class Hook:
     that uses this same hook, with `h` the rows of all of them (`ctx` is then a
     `BatchHookContext`): one call instead of one per request, which is what makes a hook that
     multiplies by a large matrix (a logit lens) cheap at 64 requests.
+
+    `read_only=True`: `fn` never returns a tensor (returning one is an error for its
+    request). Under CUDA graphs a decode step whose hooks are all read-only replays one
+    graph that copies the stream at the hook points, and the hooks run after it on those
+    copies, in layer order: no graph breaks (`docs/hooks.md`, "Where hooks run").
     """
 
     fn: Callable[..., Any]
@@ -36,6 +41,7 @@ class Hook:
     batched: bool = False
     name: str | None = None
     args: dict = field(default_factory=dict)   # the JSON arguments of a named hook
+    read_only: bool = False
 
     def __post_init__(self):
         if not callable(self.fn):

