@@ -12,7 +12,7 @@ import torch
 
 import vllm_hook
 from tests.helpers import hf_ref
-from tests.helpers.common import PROMPTS, ids_of, rel_err
+from tests.helpers.common import PROMPTS, ids_of, rel_err, run, sp
 from tests.test_hooks import hooks_engine
 from vllm_hook.testing.tiny_models import tiny_model
 
@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import activation_patching  # noqa: E402
 import causal_tracing  # noqa: E402
 import deception_probe  # noqa: E402
+import hnode_probe  # noqa: E402
+import instruction_steering  # noqa: E402
 import jacobian_lens  # noqa: E402
 import logit_lens  # noqa: E402
 import neuron_ablation  # noqa: E402
@@ -182,3 +184,60 @@ def test_deception_probe_equals_hf(llm):
     assert float((p - ref_p).abs().max()) <= 1e-3, (p, ref_p)
     # On the training pairs the probe separates the instructions (random weights: by tokens).
     assert ((probe.probabilities(eng) > 0.5).long().tolist() == [lab for _, lab, _ in tr])
+
+
+def test_instruction_and_language_steering_equal_hf(llm):
+    """The contrastive direction equals HF's (rel 1e-4); adjust_rs sets every steered row's
+    projection to avg_proj (1e-4); both configs' greedy tokens equal HF running the same ops
+    for 8 steps; the language config changes the output."""
+    from vllm_hook.analyzers.steering_vectors import SteeringConfig, direction_from_streams, steer_ops_from_config
+
+    hf = hf_ref.load(tiny_model("qwen2"))
+    tok = llm.get_tokenizer()
+    configs = Path(instruction_steering.__file__).parent / "configs"
+    prompts = [tok(q).input_ids for q in ("Write about the sea.", "Explain gravity.")]
+    plain = instruction_steering.generate(llm, prompts, None, max_tokens=8)
+    for name, instruction in (("instruction_steering", "Answer in exactly three bullet points."),
+                              ("language_steering", "Answer in French.")):
+        cfg = SteeringConfig.load(configs / f"{name}.json")
+        d = instruction_steering.build(llm, instruction, cfg.layer)
+        w, wo = instruction_steering.prompt_pairs(tok, instruction, instruction_steering.QUERIES)
+        last = [torch.stack([hf_ref.activations(hf, ids)[0]["resid_post"][cfg.layer][-1] for ids in x]) for x in (w, wo)]
+        ref = direction_from_streams(*last, cfg.layer)
+        assert rel_err(d.vector, ref.vector) <= 1e-4 and abs(d.avg_proj - ref.avg_proj) <= 1e-4 * abs(ref.avg_proj)
+        ops = steer_ops_from_config(d, cfg)
+        got = instruction_steering.generate(llm, prompts, ops, max_tokens=8)
+        for p, g in zip(prompts, got):
+            assert g == hf_ref.greedy(hf, p, 8, ops)[0], name
+        if cfg.method == "adjust_rs":
+            spec = {"steer": ops, "capture": [{"layers": [cfg.layer]}]}
+            out = run(llm, [prompts[0]], [sp(spec, max_tokens=4, ignore_eos=True)])[0]
+            rows = vllm_hook.results(out).activations["resid_post"][cfg.layer]
+            assert float((rows @ d.vector - d.avg_proj).abs().max()) <= 1e-4 * max(1.0, abs(d.avg_proj))
+        else:
+            assert got != plain
+
+
+
+def test_hnode_probe_equals_hf(llm, tmp_path):
+    """Every layer's last-token features equal HF's (rel 1e-4); the probe fitted on them picks
+    the layer the HF-fitted probe picks, with the same H-Nodes, and scores every prompt within
+    1e-3 of it; save/load keeps the scores."""
+    from vllm_hook.analyzers.hnode import HNodeProbe, fit_hnode
+
+    hf = hf_ref.load(tiny_model("qwen2"))
+    probe, feats, labels, ev = hnode_probe.fit(llm)
+    prompts, _, _ = hnode_probe.dataset(llm.get_tokenizer())
+    acts = [hf_ref.activations(hf, ids)[0]["resid_post"] for ids in prompts]
+    ref_feats = {L: torch.stack([a[L][-1] for a in acts]) for L in feats}
+    for L in feats:
+        assert rel_err(feats[L], ref_feats[L]) <= 1e-4, L
+    ref = fit_hnode(ref_feats, labels, ev, n_nodes=8)
+    assert probe.layer == ref.layer and probe.nodes.tolist() == ref.nodes.tolist()
+    got, want = probe.score(feats[probe.layer]), ref.score(ref_feats[ref.layer])
+    assert float((got.probabilities - want.probabilities).abs().max()) <= 1e-3
+    assert float((got.h_node_excess - want.h_node_excess).abs().max()) <= 1e-4 * max(1.0, float(want.h_node_excess.abs().max()))
+    assert set(probe.auc_per_layer) == set(feats) and all(0 <= a <= 1 for a in probe.auc_per_layer.values())
+    probe.save(tmp_path / "hnode.safetensors")
+    back = HNodeProbe.load(tmp_path / "hnode.safetensors")
+    assert torch.allclose(back.score(feats[probe.layer]).probabilities, got.probabilities, atol=1e-6)
