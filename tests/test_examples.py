@@ -20,6 +20,7 @@ pytestmark = pytest.mark.engine
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import activation_patching  # noqa: E402
+import attnlink  # noqa: E402
 import causal_tracing  # noqa: E402
 import deception_probe  # noqa: E402
 import hnode_probe  # noqa: E402
@@ -241,3 +242,28 @@ def test_hnode_probe_equals_hf(llm, tmp_path):
     probe.save(tmp_path / "hnode.safetensors")
     back = HNodeProbe.load(tmp_path / "hnode.safetensors")
     assert torch.allclose(back.score(feats[probe.layer]).probabilities, got.probabilities, atol=1e-6)
+
+
+def test_attnlink_equals_hf(llm):
+    """The candidates' scores equal the mean of HF's eager attention weights (the head's row
+    from the last prompt token) over each candidate's span (rel 1e-4); the selection is the
+    one the same nucleus rule gives on HF's scores; bad configs and missing captures are
+    clear errors."""
+    from vllm_hook import analyzers
+    from vllm_hook.analyzers.attnlink import select
+
+    hf = hf_ref.load(tiny_model("qwen2"))
+    analyzer = analyzers.get("attnlink")(Path(attnlink.__file__).parent / "configs" / "attnlink.tiny-qwen2.json")
+    r, p = attnlink.link(llm, analyzer)
+    L, h = analyzer.config.layer, analyzer.config.head
+    _, _, weights = hf_ref.attention(hf, p.token_ids)
+    row = weights[L][h, len(p.token_ids) - 1]
+    ref = torch.tensor([float(row[a:b].mean()) for a, b in (p.spans[c] for c in attnlink.CANDIDATES)])
+    assert rel_err(torch.as_tensor(r.scores), ref) <= 1e-4
+    ref_p, ref_rank, ref_sel = select(ref.tolist(), analyzer.config.temperature, analyzer.config.top_p)
+    assert r.ranking == ref_rank and r.selected == ref_sel and abs(r.probabilities - ref_p).max() <= 1e-4
+    assert abs(r.probabilities.sum() - 1) <= 1e-9 and 1 <= len(r.selected) <= len(attnlink.CANDIDATES)
+    with pytest.raises(ValueError, match="top_p"):
+        analyzers.get("attnlink")(layer=1, head=0, top_p=1.5)
+    with pytest.raises(ValueError, match="attn_scores of layer 1 were not captured"):
+        analyzers.get("attnlink")(layer=1, head=0).analyze(vllm_hook.results(run(llm, [p.token_ids], [sp({"capture": [{"layers": [1]}]}, max_tokens=1)])[0]), p.spans)

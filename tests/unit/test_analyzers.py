@@ -49,7 +49,7 @@ TRACKER = {"num_layers": 4, "num_heads": 4, "important_heads": {"1": [0, 3], "2"
 # --- registry ---------------------------------------------------------------------------------
 
 def test_registry():
-    assert A.available() == ["attention_tracker", "core_reranker", "hidden_state_probe"]
+    assert A.available() == ["attention_tracker", "attnlink", "core_reranker", "hidden_state_probe"]
     assert A.get("attention_tracker") is A.AttentionTracker
     assert A.get("core_reranker") is A.CoreReranker
     assert A.get("hidden_state_probe") is A.HiddenStateProbe
@@ -501,3 +501,21 @@ def test_analyzer_built_from_keywords_alone():
     assert t.config.important_heads == {10: [2, 5], 13: [0]}
     with pytest.raises(ValueError, match="important_heads"):
         AttentionTracker()
+
+
+def test_attnlink_selection_rule():
+    """Nucleus selection over log-scores: the shortest ranked prefix reaching top_p, at least
+    one item, ties in input order; top_p = 1 keeps all; bad inputs are clear errors."""
+    from vllm_hook.analyzers.attnlink import select
+
+    p, rank, sel = select([0.1, 0.4, 0.4, 0.1], temperature=1.0, top_p=0.5)
+    assert rank == [1, 2, 0, 3] and sel == [1, 2] and abs(p.sum() - 1) < 1e-12
+    assert select([0.1, 0.9], top_p=0.05)[2] == [1]
+    assert select([0.1, 0.9, 0.3], top_p=1.0)[2] == [1, 2, 0]
+    sharp = select([0.2, 0.3], temperature=0.01, top_p=0.9)[0]
+    assert sharp[1] > 0.999
+    for bad in ([-0.1, 0.2], [float("nan")]):
+        with pytest.raises(ValueError, match="finite and non-negative"):
+            select(bad)
+    with pytest.raises(ValueError, match="top_p"):
+        select([0.5], top_p=0)

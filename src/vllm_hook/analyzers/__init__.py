@@ -10,6 +10,7 @@
 from ._base import Analyzer, AnalyzerConfig
 from ._registry import available, get, register
 from .prompt import BuiltPrompt, build_prompt
+from .attnlink import AttnLink, AttnLinkConfig, AttnLinkResult, link_prompt
 from .attention_tracker import (AttentionTracker, AttentionTrackerConfig, AttentionTrackerResult,
                                 HeadSelection, find_important_heads, focus_map)
 from .core_reranker import CoreReranker, CoreRerankerConfig, RerankPrompt, RerankResult
@@ -17,7 +18,7 @@ from .hidden_state_probe import (HiddenStateProbe, HiddenStateProbeConfig, Linea
                                  fit_probe, probe_features)
 
 __all__ = [
-    "Analyzer", "AnalyzerConfig", "AttentionTracker", "AttentionTrackerConfig", "AttentionTrackerResult",
+    "Analyzer", "AnalyzerConfig", "AttnLink", "AttnLinkConfig", "AttnLinkResult", "link_prompt", "AttentionTracker", "AttentionTrackerConfig", "AttentionTrackerResult",
     "BuiltPrompt", "CoreReranker", "CoreRerankerConfig", "HeadSelection", "HiddenStateProbe",
     "HiddenStateProbeConfig", "LinearProbe", "ProbeResult", "RerankPrompt", "RerankResult", "available",
     "build_prompt", "find_important_heads", "fit_probe", "focus_map", "get", "probe_features", "register",
