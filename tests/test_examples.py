@@ -29,6 +29,7 @@ import jacobian_lens  # noqa: E402
 import logit_lens  # noqa: E402
 import neuron_ablation  # noqa: E402
 import sae_readout  # noqa: E402
+import science_hallucination  # noqa: E402
 
 
 @pytest.fixture
@@ -267,3 +268,27 @@ def test_attnlink_equals_hf(llm):
         analyzers.get("attnlink")(layer=1, head=0, top_p=1.5)
     with pytest.raises(ValueError, match="attn_scores of layer 1 were not captured"):
         analyzers.get("attnlink")(layer=1, head=0).analyze(vllm_hook.results(run(llm, [p.token_ids], [sp({"capture": [{"layers": [1]}]}, max_tokens=1)])[0]), p.spans)
+
+
+@torch.no_grad()
+def test_science_hallucination_equals_hf(llm):
+    """Pass 1's answers equal HF's greedy ones; the features (final norm of the last layer's
+    output at the last token of prompt + answer[:-2]) equal HF's last_hidden_state (rel 1e-4);
+    a 3-class probe fitted on them predicts what one fitted on HF's features predicts."""
+    from vllm_hook.analyzers.hidden_state_probe import fit_probe
+
+    hf = hf_ref.load(tiny_model("qwen2"))
+    tok = llm.get_tokenizer()
+    claims = science_hallucination.CLAIMS
+    prompts = [science_hallucination.prompt_ids(tok, c, r) for c, r, _ in claims]
+    x, answers = science_hallucination.features(llm, prompts, max_tokens=6)
+    ref = []
+    for p, a in zip(prompts, answers):
+        assert a == hf_ref.greedy(hf, p, 6)[0]
+        ref.append(hf.model(torch.tensor([p + a[:-2]])).last_hidden_state[0, -1])
+    ref = torch.stack(ref)
+    assert rel_err(x, ref) <= 1e-4
+    y = [lab for _, _, lab in claims]
+    got = fit_probe(x[:6], y[:6]).probabilities(x[6:])
+    want = fit_probe(ref[:6], y[:6]).probabilities(ref[6:])
+    assert got.shape == (3, 3) and float((got - want).abs().max()) <= 1e-3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from .adapters.requests import input_processor_of
 from .frontend import hooks as _hooks
 from .frontend import vectors as _vectors
 from .frontend.delivery import RPC, checked
@@ -11,7 +12,7 @@ from .frontend.state import state_of
 
 
 def _state(llm: Any):
-    return state_of(llm.llm_engine.input_processor)
+    return state_of(input_processor_of(llm))
 
 
 def register_vectors(llm: Any, vectors: Mapping[str, Any]) -> list[str]:

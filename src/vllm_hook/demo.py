@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[demo] engine ready in {time.time() - t0:.0f} s "
           f"({'eager' if args.eager else 'torch.compile'}, vLLM {__import__('vllm').__version__})")
 
-    hidden = llm.llm_engine.model_config.get_hidden_size()
+    from vllm_hook.adapters.requests import model_config_of
+
+    hidden = model_config_of(llm).get_hidden_size()
     direction = torch.randn(hidden, generator=torch.Generator().manual_seed(7))
     vllm_hook.register_vectors(llm, {"demo_direction": direction})
 

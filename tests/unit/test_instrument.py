@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_hook.model.instrument import InstrumentError, _child, _MLP_NAMES, find_layers
+from vllm_hook.adapters.model import MLP_NAMES, InstrumentError, child, find_layers
 
 
 class _Encoder(torch.nn.Module):        # no model.layers anywhere
@@ -20,6 +20,6 @@ def test_an_unknown_model_is_refused_with_its_name():
 def test_moe_blocks_are_mlp_out():
     layer = torch.nn.Module()
     layer.block_sparse_moe = torch.nn.Linear(2, 2)          # vLLM's Mixtral decoder layer
-    assert _child(layer, _MLP_NAMES, "mlp_out") is layer.block_sparse_moe
+    assert child(layer, MLP_NAMES, "mlp_out") is layer.block_sparse_moe
     with pytest.raises(InstrumentError, match="mlp_out submodule of Module"):
-        _child(torch.nn.Module(), _MLP_NAMES, "mlp_out")
+        child(torch.nn.Module(), MLP_NAMES, "mlp_out")

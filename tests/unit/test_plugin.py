@@ -101,3 +101,22 @@ def test_only_adapters_import_vllm_internals():
             if re.match(r"\s*(from vllm\.|import vllm\.)", line):
                 bad.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
     assert not bad, "vLLM internals imported outside adapters/:\n" + "\n".join(bad)
+
+
+def test_only_adapters_read_vllm_internal_attributes():
+    """The same rule for attributes: the engine, its input processor, the HF config and the
+    request's cache salt are read only in `adapters/` (requests.py, model.py, ...)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "src" / "vllm_hook"
+    pat = re.compile(r"\.(llm_engine|engine_core|hf_config|hf_text_config|cache_salt|vllm_config)\b")
+    bad = []
+    for path in root.rglob("*.py"):
+        if "adapters" in path.relative_to(root).parts:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if pat.search(code):
+                bad.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not bad, "vLLM internals read outside adapters/:\n" + "\n".join(bad)

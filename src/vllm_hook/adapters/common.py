@@ -7,11 +7,12 @@ from typing import Any
 
 from ..config import HookConfig
 from ..model.instrument import instrument
-from ..spec.resolve import ModelInfo, steer_bound
+from ..spec.resolve import steer_bound
 from ..spec.schema import SPEC_KEY
 from ..worker.hooks import WorkerHooks
 from ..worker.runtime import HookRuntime
 from .base import NewRequest, SchedulerEvents, wire_of
+from .requests import model_info
 
 log = logging.getLogger("vllm_hook")
 
@@ -66,11 +67,11 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
         from .frontend import PP_HOOKS
 
         raise UnsupportedVllm(PP_HOOKS)
-    info = ModelInfo.from_model_config(vllm_config.model_config)
+    info = model_info(vllm_config.model_config)
     sc = vllm_config.scheduler_config
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
-    from ..model.instrument import find_layers, local_layers
+    from .model import find_layers, local_layers
     from .attention import layer_infos
     from .params import ModelAccess
 

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+from ..adapters.requests import add_cache_salt, params_of, prompt_len_of
 from ..spec.errors import SpecError
 from ..spec.lens import has_lens_args, translate
 from ..spec.resolve import capture_bytes, resolve
@@ -19,14 +20,10 @@ from .cache import cache_key
 from .state import allow_pickles, maybe_state, state_of
 
 
-def _salt(request: Any, salt: str) -> None:
-    request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt
-
-
 def _hooked(request: Any, sp: Any) -> None:
     """Python hooks see (and may change) every row: a hooked request reads no cached prefix
     (its hooks would miss those rows) and leaves no KV anyone else reuses (a unique salt)."""
-    _salt(request, f"vllm_hook:hooks:{uuid.uuid4().hex}")
+    add_cache_salt(request, f"vllm_hook:hooks:{uuid.uuid4().hex}")
     sp.skip_reading_prefix_cache = True
 
 
@@ -60,7 +57,7 @@ def admit(input_processor: Any, request_id: str, request: Any) -> None:
 
 
 def _admit(input_processor: Any, request_id: str, request: Any) -> None:
-    sp = getattr(request, "sampling_params", None)
+    sp = params_of(request)
     extra = getattr(sp, "extra_args", None)
     stack = None
     if has_lens_args(extra):
@@ -85,8 +82,7 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
         if st.persistent_hooks:
             _hooked(request, sp)
         return
-    ids = request.prompt_token_ids
-    prompt_len = len(ids) if ids is not None else int(request.prompt_embeds.shape[0])
+    prompt_len = prompt_len_of(request)
     res = st.resolved.get(cache, prompt_len) if cache is not None else None
     if res is None:
         res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len,
@@ -100,7 +96,7 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
     sp.extra_args = {**rest, SPEC_KEY: res.wire}
     if res.steer_digest:
         # A steered request must never reuse KV computed under other steering (or none).
-        _salt(request, f"vllm_hook:{res.steer_digest}")
+        add_cache_salt(request, f"vllm_hook:{res.steer_digest}")
     if res.reads_cached_prefix:
         # Cached prefix tokens are not recomputed, so their activations would not exist.
         sp.skip_reading_prefix_cache = True

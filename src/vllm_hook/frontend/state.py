@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..adapters.requests import engine_facts
 from ..config import HookConfig
 from ..model.layout import PointTable
 from ..spec.resolve import ModelInfo, Resolved
@@ -63,11 +64,10 @@ class FrontendState:
 def state_of(input_processor: Any) -> FrontendState:
     st = input_processor.__dict__.get(STATE_ATTR)
     if st is None:
-        vc = input_processor.vllm_config
+        vc, info, max_model_len = engine_facts(input_processor)
         cfg = HookConfig.from_vllm_config(vc)
-        info = ModelInfo.from_model_config(input_processor.model_config)
         st = FrontendState(cfg=cfg, info=info, points=PointTable.for_config(info.num_layers, cfg),
-                           max_model_len=int(input_processor.model_config.max_model_len))
+                           max_model_len=max_model_len)
         input_processor.__dict__[STATE_ATTR] = st
     return st
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adapters.model import (ATTN_NAMES, MLP_NAMES, InstrumentError, attention_widths, child, find_attention,
+                              find_layers, local_layers)
 from ..config import HookConfig
 from ..spec.resolve import ModelInfo, steer_bound
 from .buffers import BufferShape, HookBuffers
@@ -21,13 +23,7 @@ from .hook_point import hook_point
 from .layout import POOL_K, POOL_Q, PointTable
 from .steering import capture_rows, steer_delta
 
-_ATTN_NAMES = ("self_attn", "attn", "attention")
-_MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn")   # block_sparse_moe: Mixtral
 _SHARED = ("op_prm", "unit", "pool")
-
-
-class InstrumentError(RuntimeError):
-    pass
 
 
 def _buf(module: nn.Module, name: str, t: torch.Tensor) -> None:
@@ -119,43 +115,6 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     module.__class__ = _CLASSES[key]
 
 
-def find_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers: `model.model.layers` for the supported families."""
-    inner = getattr(model, "model", None)
-    for cand in (getattr(inner, "layers", None), getattr(model, "layers", None),
-                 getattr(getattr(inner, "decoder", None), "layers", None)):
-        if isinstance(cand, nn.ModuleList) and len(cand) > 0:
-            return cand
-    raise InstrumentError(
-        f"vllm-hook cannot find the decoder layers of {type(model).__name__}; supported: "
-        "models with model.layers (Llama, Mistral, Qwen2/3, Gemma/2/3, Phi-3 families)")
-
-
-def local_layers(layers: nn.ModuleList) -> set[int]:
-    """The indexes of the decoder layers this worker runs (with pipeline parallelism, the
-    others are vLLM's PPMissingLayer placeholders)."""
-    return {i for i, layer in enumerate(layers) if type(layer).__name__ != "PPMissingLayer"}
-
-
-def _child(layer: nn.Module, names: tuple[str, ...], site: str) -> nn.Module:
-    for n in names:
-        m = getattr(layer, n, None)
-        if isinstance(m, nn.Module):
-            return m
-    raise InstrumentError(
-        f"vllm-hook cannot find the {site} submodule of {type(layer).__name__}; start the engine "
-        f"with additional_config vllm_hook.sites without {site!r}")
-
-
-def find_attention(layer: nn.Module) -> nn.Module:
-    """vLLM's Attention module of a decoder layer (the one that owns the KV cache)."""
-    for m in _child(layer, _ATTN_NAMES, "attention").modules():
-        if all(hasattr(m, a) for a in ("num_heads", "num_kv_heads", "head_size", "layer_name", "impl")):
-            return m
-    raise InstrumentError(f"vllm-hook cannot find the attention kernel module of {type(layer).__name__}; "
-                          'start the engine with additional_config vllm_hook.sites without "q" and "k"')
-
-
 def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_batched_tokens: int,
                max_num_seqs: int, dtype: torch.dtype, hook_owner: int = 0
                ) -> tuple[HookBuffers, PointTable, list]:
@@ -170,8 +129,7 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
     local = local_layers(layers)
     attns = [find_attention(layer) if i in local else None for i, layer in enumerate(layers)] if wants_qk else []
     first = next((a for a in attns if a is not None), None)
-    q_width = first.num_heads * first.head_size if first is not None else 0
-    k_width = first.num_kv_heads * first.head_size if first is not None else 0
+    q_width, k_width = attention_widths(first) if first is not None else (0, 0)
     shape = BufferShape.for_engine(num_layers=info.num_layers, hidden=info.hidden_size,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    max_num_seqs=max_num_seqs, cfg=cfg, points=points,
@@ -197,9 +155,9 @@ def instrument(model: nn.Module, info: ModelInfo, cfg: HookConfig, *, max_num_ba
         if i == 0 and "resid_pre" in cfg.sites:
             layer._vh_embed = True
             _buf(layer, "embed_idx", bufs.cap_col(points.col("resid_pre", 0)))
-        for site, names in (("attn_out", _ATTN_NAMES), ("mlp_out", _MLP_NAMES)):
+        for site, names in (("attn_out", ATTN_NAMES), ("mlp_out", MLP_NAMES)):
             if points.has(site, i):
-                sub = _child(layer, names, site)
+                sub = child(layer, names, site)
                 _swap_class(sub, _OutputCapture)
                 _buf(sub, "pool", bufs.pool)
                 _buf(sub, "cap_idx", bufs.cap_col(points.col(site, i)))

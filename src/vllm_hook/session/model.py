@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..adapters.requests import model_config_of, model_info
 from ..client import AsyncClient, Client
 from ..results import ATTR, Results, results as results_of
 from ..spec.schema import SPEC_KEY
@@ -194,12 +195,6 @@ def _remote(g: Any, cls=SteerResponse, **extra) -> SteerResponse:
                results=g.results, raw=g, **extra)
 
 
-def _dims(model_config: Any) -> tuple[int, int]:
-    hf = model_config.hf_config
-    hf = getattr(hf, "text_config", None) or hf
-    return int(model_config.get_hidden_size()), int(hf.num_hidden_layers)
-
-
 def _tokenizer(tok: Any) -> Any:
     if isinstance(tok, (str, os.PathLike)):
         from transformers import AutoTokenizer
@@ -225,7 +220,8 @@ class SteerModel(_Session):
             h = llm.health()
             super().__init__(h["hidden_size"], h["num_layers"], _tokenizer(tokenizer))
         else:
-            super().__init__(*_dims(llm.llm_engine.model_config), llm.get_tokenizer())
+            info = model_info(model_config_of(llm))
+            super().__init__(info.hidden_size, info.num_layers, llm.get_tokenizer())
 
     def generate(self, prompts: str | Sequence[str], sampling_params=None, *, capture_layers=None,
                  raw_output: bool = False, steering_spec=None, **sampling) -> list:
@@ -274,7 +270,8 @@ class AsyncSteerModel(_Session):
                                  "h = await client.health(); dims=(h['hidden_size'], h['num_layers'])")
             super().__init__(dims[0], dims[1], _tokenizer(tokenizer))
         else:
-            super().__init__(*_dims(engine.model_config), engine.get_tokenizer())
+            info = model_info(engine.model_config)
+            super().__init__(info.hidden_size, info.num_layers, engine.get_tokenizer())
 
     async def _run(self, prompt, sp) -> Any:
         last = None

@@ -38,20 +38,6 @@ class ModelInfo:
     head_dim: int = 0
     dtype: str = "float32"          # the dtype the model computes in (torch's name)
 
-    @classmethod
-    def from_model_config(cls, model_config: Any) -> "ModelInfo":
-        hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
-        heads = int(getattr(hf, "num_attention_heads", 0) or 0)
-        hidden = int(hf.hidden_size)
-        return cls(
-            num_layers=int(hf.num_hidden_layers),
-            hidden_size=hidden,
-            name=str(getattr(model_config, "model", "")),
-            num_heads=heads,
-            num_kv_heads=int(getattr(hf, "num_key_value_heads", heads) or heads),
-            head_dim=int(getattr(hf, "head_dim", 0) or (hidden // heads if heads else 0)),
-            dtype=str(getattr(model_config, "dtype", "float32")).removeprefix("torch."),
-        )
 
 
 _DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
