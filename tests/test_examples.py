@@ -19,6 +19,7 @@ from vllm_hook.testing.tiny_models import tiny_model
 pytestmark = pytest.mark.engine
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
+import activation_oracle  # noqa: E402
 import activation_patching  # noqa: E402
 import attnlink  # noqa: E402
 import causal_tracing  # noqa: E402
@@ -292,3 +293,32 @@ def test_science_hallucination_equals_hf(llm):
     got = fit_probe(x[:6], y[:6]).probabilities(x[6:])
     want = fit_probe(ref[:6], y[:6]).probabilities(ref[6:])
     assert got.shape == (3, 3) and float((got - want).abs().max()) <= 1e-3
+
+
+@torch.no_grad()
+def test_activation_oracle_with_lora_equals_hf_peft(engines, tmp_path):
+    """The source activation equals HF's (rel 1e-4); injected at the placeholder with
+    norm_match through a random LoRA adapter (vLLM's LoRARequest), the oracle's greedy tokens
+    equal HF + PEFT with the same adapter and the same op for 8 steps; without the adapter
+    they equal plain HF with the op; the adapter changes HF's logits."""
+    from peft import PeftModel
+    from vllm.lora.request import LoRARequest
+
+    model = tiny_model("qwen2")
+    lora_dir = activation_oracle.random_adapter(model, str(tmp_path / "lora"))
+    llm = engines.get("qwen2-lora", arch="qwen2", enable_lora=True, max_lora_rank=8, max_loras=1)
+    tok = llm.get_tokenizer()
+    layer = 1
+    src = tok("The Eiffel Tower is in Paris.").input_ids
+    v = activation_oracle.source_activation(llm, src, layer)
+    hf = hf_ref.load(model)
+    assert rel_err(v, hf_ref.activations(hf, src)[0]["resid_post"][layer][-1]) <= 1e-4
+    prompt, pos = activation_oracle.oracle_prompt(tok)
+    ops = activation_oracle.injection(v, layer, pos)
+    got = activation_oracle.ask(llm, LoRARequest("oracle", 1, lora_dir), prompt, ops)
+    oracle = PeftModel.from_pretrained(hf_ref.load.__wrapped__(model), lora_dir).base_model.model.eval()
+    want, want_logits = hf_ref.greedy(oracle, prompt, 8, ops)
+    assert got == want
+    base_tokens, base_logits = hf_ref.greedy(hf, prompt, 8, ops)
+    assert activation_oracle.ask(llm, None, prompt, ops) == base_tokens
+    assert float((want_logits - base_logits).abs().max()) > 1e-3
