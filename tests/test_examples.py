@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import vllm_hook
-from tests.helpers import hf_ref
+from tests.helpers import browser, hf_ref
 from tests.helpers.common import PROMPTS, ids_of, rel_err, run, sp
 from tests.test_hooks import hooks_engine
 from vllm_hook.testing.tiny_models import tiny_model
@@ -24,6 +24,7 @@ import activation_patching  # noqa: E402
 import attnlink  # noqa: E402
 import causal_tracing  # noqa: E402
 import deception_probe  # noqa: E402
+import emotion_tracker  # noqa: E402
 import hnode_probe  # noqa: E402
 import instruction_steering  # noqa: E402
 import jacobian_lens  # noqa: E402
@@ -46,7 +47,9 @@ def _hf_prob(hf, ids, hooks):
 
 
 @torch.no_grad()
-def test_causal_tracing_equals_hf(llm):
+def test_causal_tracing_equals_hf(llm, tmp_path):
+    """The restoration map equals the same hooks on HF (rel 1e-4); its HTML view renders in
+    headless Chromium."""
     hf = hf_ref.load(tiny_model("qwen2"))
     ids = ids_of(llm, "Paris is the capital of France")
     subject = [0, 1]
@@ -69,6 +72,9 @@ def test_causal_tracing_equals_hf(llm):
     assert got["clean"] != got["corrupted"]
     # Restoring every token at the last layer gives back the clean run at the last token.
     assert abs(float(got["restored"][n - 1, len(ids) - 1]) - got["clean"]) <= 1e-4 * got["clean"]
+    words = [llm.get_tokenizer().decode([i]) for i in ids]
+    page = causal_tracing.html_view(got, words, str(tmp_path / "trace.html"))
+    browser.assert_renders(page, tmp_path / "trace.png")
 
 
 @torch.no_grad()
@@ -322,3 +328,39 @@ def test_activation_oracle_with_lora_equals_hf_peft(engines, tmp_path):
     base_tokens, base_logits = hf_ref.greedy(hf, prompt, 8, ops)
     assert activation_oracle.ask(llm, None, prompt, ops) == base_tokens
     assert float((want_logits - base_logits).abs().max()) > 1e-3
+
+
+@torch.no_grad()
+def test_emotion_tracker_equals_hf(llm, tmp_path):
+    """The mean-stream features and the fitted directions equal HF's (rel 1e-4); the per-token
+    scores of a prompt and its greedy continuation equal the same directions applied to HF's
+    stream (rel 1e-4); the analyzer loads from a config file; the HTML view renders in
+    headless Chromium and the PNG is written."""
+    from vllm_hook.analyzers import get
+    from vllm_hook.analyzers.emotion_tracker import fit_directions
+
+    hf = hf_ref.load(tiny_model("qwen2"))
+    tok = llm.get_tokenizer()
+    layer = 2
+    d = emotion_tracker.fit(llm, layer)
+
+    def hf_mean(text):
+        return hf_ref.activations(hf, tok(text).input_ids)[0]["resid_post"][layer].double().mean(0)
+
+    want = fit_directions({k: torch.stack([hf_mean(t) for t in v]) for k, v in emotion_tracker.EXAMPLES.items()},
+                          layer, neutral=torch.stack([hf_mean(t) for t in emotion_tracker.NEUTRAL]))
+    assert d.names == want.names == list(emotion_tracker.EXAMPLES)
+    assert rel_err(d.vectors, want.vectors) <= 1e-4 and rel_err(d.offsets, want.offsets) <= 1e-4
+    d.save(tmp_path / "emotions.safetensors")
+    (tmp_path / "emotions.json").write_text('{"analyzer": "emotion_tracker", "directions": "emotions.safetensors"}')
+    tracker = get("emotion_tracker")(tmp_path / "emotions.json")
+    trace, out, words = emotion_tracker.track(llm, tracker, ids_of(llm, PROMPTS[2]), 12)
+    seq = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1]
+    assert trace.positions.tolist() == list(range(len(seq))) and trace.prompt_len == len(out.prompt_token_ids)
+    ref = d.scores(hf_ref.activations(hf, seq)[0]["resid_post"][layer])
+    assert rel_err(torch.from_numpy(trace.scores), ref) <= 1e-4
+    assert len(words) == len(seq) and len(trace.dominant) == len(seq)
+    page = trace.to_html(tmp_path / "emotions.html", words)
+    img = browser.assert_renders(page, tmp_path / "emotions-page.png")
+    assert img.shape[:2] == (800, 1100)
+    assert Path(trace.plot(tmp_path / "emotions.png", words)).is_file()

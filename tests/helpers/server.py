@@ -12,6 +12,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Sequence
 
 import httpx
 import pytest
@@ -41,10 +42,11 @@ def free_port() -> int:
 
 @contextmanager
 def serving(hook_config: dict, arch: str = "qwen2", env_extra: dict | None = None,
-            model: str | None = None, served_name: str | None = None):
+            model: str | None = None, served_name: str | None = None, cli_args: Sequence[str] = ()):
     """Start `vllm serve` with `hook_config` as vllm_hook's engine config; stop it after.
     `env_extra`: environment variables for the server (a soak's baseline runs it with
-    VLLM_HOOK_DISABLE=1); `model` / `served_name`: another checkpoint, under another name."""
+    VLLM_HOOK_DISABLE=1); `model` / `served_name`: another checkpoint, under another name;
+    `cli_args`: more of vLLM's flags (LoRA modules)."""
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="vllm_hook_serve_")) / "server.log"
     env = {k: v for k, v in os.environ.items()
@@ -56,7 +58,7 @@ def serving(hook_config: dict, arch: str = "qwen2", env_extra: dict | None = Non
            *(["--served-model-name", served_name] if served_name else []),
            "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
            "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-           "--additional-config", json.dumps({"vllm_hook": hook_config})]
+           "--additional-config", json.dumps({"vllm_hook": hook_config}), *cli_args]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)   # own process group: killed as one

@@ -49,7 +49,8 @@ TRACKER = {"num_layers": 4, "num_heads": 4, "important_heads": {"1": [0, 3], "2"
 # --- registry ---------------------------------------------------------------------------------
 
 def test_registry():
-    assert A.available() == ["attention_tracker", "attnlink", "core_reranker", "hidden_state_probe"]
+    assert A.available() == ["attention_tracker", "attnlink", "core_reranker", "emotion_tracker",
+                             "hidden_state_probe"]
     assert A.get("attention_tracker") is A.AttentionTracker
     assert A.get("core_reranker") is A.CoreReranker
     assert A.get("hidden_state_probe") is A.HiddenStateProbe
@@ -519,3 +520,83 @@ def test_attnlink_selection_rule():
             select(bad)
     with pytest.raises(ValueError, match="top_p"):
         select([0.5], top_p=0)
+
+
+def test_emotion_directions_fit_save_and_errors(tmp_path):
+    """Difference of means against the contrast set, unit length; offsets are the mean
+    projection of every example; the file round-trips; bad inputs are clear errors."""
+    from vllm_hook.analyzers.emotion_tracker import EmotionDirections, fit_directions
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(16, generator=g)
+    e = torch.eye(16)
+    feats = {"joy": base + 3 * e[0] + 0.01 * torch.randn(5, 16, generator=g),
+             "fear": base + 3 * e[1] + 0.01 * torch.randn(4, 16, generator=g)}
+    neutral = base + 0.01 * torch.randn(6, 16, generator=g)
+    d = fit_directions(feats, layer=3, neutral=neutral)
+    assert d.names == ["joy", "fear"] and d.layer == 3
+    assert torch.allclose(d.vectors.norm(dim=1), torch.ones(2), atol=1e-6)
+    assert float(d.vectors[0] @ e[0]) > 0.99 and float(d.vectors[1] @ e[1]) > 0.99
+    every = torch.cat([feats["joy"], feats["fear"], neutral]).double()
+    assert torch.allclose(d.offsets.double(), (every @ d.vectors.double().T).mean(0), atol=1e-5)
+    s = d.scores(base + 3 * e[0])
+    assert s[0] > 2 and abs(float(s[1])) < 1.5
+    back = EmotionDirections.load(d.save(tmp_path / "d.safetensors"))
+    assert back.names == d.names and back.layer == 3 and torch.equal(back.vectors, d.vectors)
+    other = fit_directions(feats, layer=3)             # contrast: the other emotion
+    assert float(other.vectors[0] @ (e[0] - e[1])) > 0.99 * 2 ** 0.5
+    with pytest.raises(ValueError, match="two emotions"):
+        fit_directions({"joy": feats["joy"]}, layer=3)
+    with pytest.raises(ValueError, match="one hidden size"):
+        fit_directions({"joy": feats["joy"], "fear": torch.zeros(2, 8)}, layer=3)
+    with pytest.raises(ValueError, match="same mean stream"):
+        fit_directions({"joy": neutral, "fear": feats["fear"]}, layer=3, neutral=neutral)
+    with pytest.raises(ValueError, match="names need vectors"):
+        EmotionDirections(["a"], torch.zeros(2, 4), torch.zeros(2), 0)
+    from safetensors.torch import save_file
+    save_file({"vectors": torch.zeros(1, 4)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="not an emotion directions file"):
+        EmotionDirections.load(tmp_path / "plain.safetensors")
+
+
+def test_emotion_tracker_on_hf_results(tmp_path):
+    """The analyzer scores every captured row (HF results here), and says what to fix when
+    the layer was not captured or no directions are given."""
+    from vllm_hook.analyzers.emotion_tracker import EmotionDirections
+
+    g = torch.Generator().manual_seed(1)
+    d = EmotionDirections(["joy", "anger"], torch.nn.functional.normalize(torch.randn(2, 128, generator=g), dim=1),
+                          torch.tensor([0.5, -0.25]), layer=1)
+    t = A.get("emotion_tracker")(directions=d)
+    model, tok = hf("qwen2")
+    ids = tok("The sea is calm tonight and I am glad").input_ids
+    r = hf_results(model, ids, [t.capture_spec()])
+    trace = t.analyze(r)
+    want = r.activations["resid_post"][1].double() @ d.vectors.double().T - d.offsets.double()
+    assert np.allclose(trace.scores, want.numpy()) and trace.positions.tolist() == list(range(len(ids)))
+    assert trace.to_dict()["names"] == ["joy", "anger"] and len(trace.dominant) == len(ids)
+    with pytest.raises(ValueError, match="layer 2 was not captured"):
+        A.EmotionTracker(directions=EmotionDirections(d.names, d.vectors, d.offsets, 2)).analyze(r)
+    with pytest.raises(ValueError, match="no directions"):
+        A.EmotionTracker()
+    with pytest.raises(ValueError, match="hidden size 64"):
+        A.EmotionTracker(directions=EmotionDirections(["a"], torch.zeros(1, 64), torch.zeros(1), 1)).analyze(r)
+
+
+def test_html_views_escape_and_check_their_input(tmp_path):
+    """The data cannot close its <script> element; wrong shapes and infinities are errors."""
+    from vllm_hook.analyzers.html import heatmap_view, token_view
+
+    page = token_view(tmp_path / "t.html", ["a", "</script><b>x"], np.zeros((2, 1)), ["joy"], title="<i>t</i>")
+    text = open(page).read()
+    assert text.count("</script>") == 2 and "<\\/script>" in text and "<title>&lt;i&gt;t&lt;/i&gt;</title>" in text
+    with pytest.raises(ValueError, match=r"\[tokens, names\] = \[2, 1\]"):
+        token_view(tmp_path / "t.html", ["a", "b"], np.zeros((3, 1)), ["joy"])
+    with pytest.raises(ValueError, match="NaN"):
+        token_view(tmp_path / "t.html", ["a"], np.full((1, 1), np.nan), ["joy"])
+    with pytest.raises(ValueError, match="infinite"):
+        heatmap_view(tmp_path / "h.html", np.full((1, 1), np.inf), ["r"], ["c"])
+    with pytest.raises(ValueError, match=r"\[rows, cols\]"):
+        heatmap_view(tmp_path / "h.html", np.zeros((2, 2)), ["r"], ["c", "d"])
+    assert '"values": [[null' in open(heatmap_view(tmp_path / "h.html", np.array([[np.nan, 1.0]]), ["r"],
+                                                   ["c", "d"])).read()

@@ -14,12 +14,14 @@ from .attnlink import AttnLink, AttnLinkConfig, AttnLinkResult, link_prompt
 from .attention_tracker import (AttentionTracker, AttentionTrackerConfig, AttentionTrackerResult,
                                 HeadSelection, find_important_heads, focus_map)
 from .core_reranker import CoreReranker, CoreRerankerConfig, RerankPrompt, RerankResult
+from .emotion_tracker import EmotionDirections, EmotionTrace, EmotionTracker, EmotionTrackerConfig, fit_directions
 from .hidden_state_probe import (HiddenStateProbe, HiddenStateProbeConfig, LinearProbe, ProbeResult,
                                  fit_probe, probe_features)
 
 __all__ = [
     "Analyzer", "AnalyzerConfig", "AttnLink", "AttnLinkConfig", "AttnLinkResult", "link_prompt", "AttentionTracker", "AttentionTrackerConfig", "AttentionTrackerResult",
-    "BuiltPrompt", "CoreReranker", "CoreRerankerConfig", "HeadSelection", "HiddenStateProbe",
+    "BuiltPrompt", "CoreReranker", "EmotionDirections", "EmotionTrace", "EmotionTracker", "EmotionTrackerConfig",
+    "fit_directions", "CoreRerankerConfig", "HeadSelection", "HiddenStateProbe",
     "HiddenStateProbeConfig", "LinearProbe", "ProbeResult", "RerankPrompt", "RerankResult", "available",
     "build_prompt", "find_important_heads", "fit_probe", "focus_map", "get", "probe_features", "register",
 ]

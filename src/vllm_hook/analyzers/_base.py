@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Mapping, Sequence, Union
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 # {"<layer>": [head, ...]} (JSON keys are strings) or [[layer, head], ...] (Attention Tracker's
 # original format); normalised to {layer: sorted unique heads}.
@@ -159,6 +159,17 @@ class AnalyzerConfig(BaseModel):
         if v is not None and v < 1:
             raise ValueError("must be >= 1")
         return v
+
+
+def relative_to_config(*fields: str):
+    """A validator for config fields that name files: a relative path is taken from the config
+    file's folder (`load_config` passes it as the context's `base`)."""
+    def resolve(cls, v, info: ValidationInfo):
+        base = (info.context or {}).get("base")
+        if v is not None and base is not None and not os.path.isabs(v):
+            return str(Path(base) / v)
+        return v
+    return field_validator(*fields)(resolve)
 
 
 def _pydantic_message(err: ValidationError) -> str:

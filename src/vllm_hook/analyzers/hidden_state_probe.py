@@ -22,11 +22,11 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ._base import Analyzer, AnalyzerConfig, _site
+from ._base import Analyzer, AnalyzerConfig, _site, relative_to_config
 from ._registry import register
 
 
@@ -149,13 +149,7 @@ class HiddenStateProbeConfig(AnalyzerConfig):
     threshold: float = 0.5
     labels: list[str] | None = None
 
-    @field_validator("weights")
-    @classmethod
-    def _relative(cls, v, info: ValidationInfo):
-        base = (info.context or {}).get("base")
-        if v is not None and base is not None and not os.path.isabs(v):
-            return str(Path(base) / v)
-        return v
+    _weights_path = relative_to_config("weights")
 
 
 @dataclass(frozen=True)

@@ -145,14 +145,18 @@ def plot_hidden_state_probe(result, path: str | os.PathLike, token_labels: Seque
 
 def plot_layers_by_tokens(values, path: str | os.PathLike, token_labels: Sequence[str] | None = None,
                           title: str = "", label: str = "", cmap: str = "viridis",
-                          cell_text: Sequence[Sequence[str]] | None = None) -> str:
-    """A [layers, tokens] heatmap (the hook examples: logit lens, causal tracing, patching)."""
+                          cell_text: Sequence[Sequence[str]] | None = None,
+                          row_labels: Sequence[str] | None = None, ylabel: str = "layer") -> str:
+    """A [layers, tokens] heatmap (the hook examples: logit lens, causal tracing, patching);
+    `row_labels`/`ylabel` name other rows (the emotion tracker's emotions)."""
     v = np.asarray(values, dtype=float)
     fig = _figure(max(4.0, 0.55 * v.shape[1] + 2), max(2.5, 0.32 * v.shape[0] + 1.5))
     ax = fig.add_subplot(1, 1, 1)
     _heatmap(ax, fig, v, cmap, label)
-    ax.set_ylabel("layer")
+    ax.set_ylabel(ylabel)
     ax.set_yticks(range(v.shape[0]))
+    if row_labels is not None:
+        ax.set_yticklabels(list(row_labels), fontsize=7)
     ax.set_xticks(range(v.shape[1]))
     ax.set_xticklabels(list(token_labels) if token_labels is not None else range(v.shape[1]),
                        rotation=60, ha="right", fontsize=7)
