@@ -105,12 +105,15 @@ def start(name, model, llm_kwargs, log_dir, native=False, timeout=900, cpus=None
 # --------------------------------------------------------------------------------------------
 def model_and_base(args, max_num_seqs: int, smoke_kv_bytes: int = 64 << 20) -> tuple[str, dict]:
     """The checkpoint and the LLM arguments every engine of a benchmark shares: the tiny CPU
-    fixture with --smoke, else the --model (or a random --shape built on the machine), bf16."""
+    fixture with --smoke (eager: a smoke checks that the script runs, and compiling would
+    double its engines' start-up on the CPU), else the --model (or a random --shape built on the
+    machine), bf16."""
     if args.smoke:
         from vllm_hook.testing.tiny_models import tiny_model
 
         return tiny_model("qwen2"), dict(dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
-                                         kv_cache_memory_bytes=smoke_kv_bytes, disable_log_stats=False, seed=0)
+                                         kv_cache_memory_bytes=smoke_kv_bytes, disable_log_stats=False, seed=0,
+                                         enforce_eager=True)
     from make_model import build
 
     return args.model or build(args.shape, "/tmp/vh_models"), dict(

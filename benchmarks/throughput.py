@@ -111,7 +111,6 @@ def main() -> None:
     model, base = model_and_base(args, max_num_seqs=256, smoke_kv_bytes=256 << 20)
     big = (32, 512)
     if args.smoke:
-        base["enforce_eager"] = True
         big = (4, 64)
         args.batches = args.batches or ["8x16+1", "8x16+4"]
         args.reps = min(args.reps, 2)

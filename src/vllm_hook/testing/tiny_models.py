@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma2")
-# Each with its own parity engine in tests/test_architectures.py: Llama-family variants, Gemma 3
+# Each with its own parity engine in tests/test_parity.py: Llama-family variants, Gemma 3
 # and two sparse MoE models.
 MORE_ARCHS = ("mistral", "phi3", "gemma3", "mixtral", "qwen3_moe")
 
