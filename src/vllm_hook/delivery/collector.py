@@ -17,6 +17,7 @@ one routing are gathered per run (`runs.DecodeRun`), not handed over step by ste
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import deque
 from typing import Callable
@@ -29,7 +30,10 @@ from .runs import DecodeRun
 
 Deliver = Callable[[Segment, torch.Tensor], None]
 KEEP_PINNED_MIN = 4 << 20       # a step's pinned block this large is kept, not copied out
-KEEP_PINNED_BYTES = 1 << 30     # at most this much kept at a time
+# At most this much kept at a time: a 16th of the host's memory, from 1 to 4 GiB (all layers
+# and tokens of 32 x 512-token prompts of a 1.5B model are 1.4 GB in bf16; copying them out
+# of pinned memory costs a page fault per page, the fetch's write reads them from either).
+KEEP_PINNED_BYTES = min(4 << 30, max(1 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 16))
 
 
 class Collector:

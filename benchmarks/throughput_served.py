@@ -1,0 +1,191 @@
+"""End-to-end throughput of `vllm serve` at 64 and 256 concurrent requests (issue 17): a native
+server and a vllm-hook server, one run.
+
+    source scripts/gpu_env.sh && python3 benchmarks/throughput_served.py --out $OUT/tps    # H200
+    python benchmarks/throughput_served.py --smoke --out /tmp/tps                          # CPU, tiny
+
+N clients at once (one asyncio task each, `vllm_hook.AsyncClient` over one HTTP connection pool)
+each send one completion of a token-id prompt. Timed from the first request sent to the last
+response's results decoded (`Generation.results`): what a served user waits for. Each rep times
+the native server (`VLLM_HOOK_DISABLE=1`), then the plugin server without specs and with the
+workload's specs, those two in alternating order; the in-engine ratio is hooked over unhooked on
+one server. Both servers run at once, each with its share of GPU memory, and only one is sent
+requests at a time. Results are inline up to --inline-bytes, larger ones by handle (the client
+fetches and deletes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for p in (HERE, HERE.parent / "src", HERE.parent / "scripts"):
+    sys.path.insert(0, str(p))
+
+import httpx  # noqa: E402
+
+from engine_worker import prompts  # noqa: E402
+from gpu_serve_check import Server, free_port, launch_command  # noqa: E402
+from pool import median_ci  # noqa: E402
+from run import Record, bench_parser, run_meta, workloads  # noqa: E402
+from throughput import TARGETS  # noqa: E402
+from vllm_hook.client import AsyncClient  # noqa: E402
+
+KEY = "bench-key"
+VECTOR = "bench_a"
+
+
+def server_args(args) -> list[str]:
+    """vLLM's flags for both servers: the offline benchmark's engine settings."""
+    if args.smoke:
+        return ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+                "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "--max-num-seqs", "256",
+                "--skip-tokenizer-init"]
+    return ["--dtype", "bfloat16", "--max-model-len", "4096", "--gpu-memory-utilization", str(args.gpu_mem),
+            "--max-num-seqs", "256", "--seed", "0", "--skip-tokenizer-init"]
+
+
+def start_servers(args, model: str, out: Path) -> dict[str, Server]:
+    launcher = "api-server" if args.smoke else "module"
+    servers = {}
+    for name, env, config in (("native", {"VLLM_HOOK_DISABLE": "1"}, None),
+                              ("plugin", {}, {"vllm_hook": {"max_inline_result_bytes": args.inline_bytes,
+                                                            "capture_pool_rows": 1 << 18}})):
+        port = free_port()
+        cmd = launch_command(launcher, model, port, KEY, config, server_args(args))
+        servers[name] = Server(cmd, out / f"server-{name}.log", port, env=env)
+    t = time.monotonic()
+    for name, s in servers.items():
+        s.wait_healthy(args.start_timeout)
+        print(f"[{name}] healthy after {time.monotonic() - t:.0f} s", flush=True)
+    return servers
+
+
+class Driver:
+    """One server's client: a connection pool large enough for every request of a batch."""
+
+    def __init__(self, url: str, max_requests: int):
+        # Idle connections expire before the server's keep-alive timeout (uvicorn's 5 s) closes
+        # them: reusing one the server is closing fails (httpx.ReadError).
+        limits = httpx.Limits(max_connections=max_requests + 8, max_keepalive_connections=max_requests + 8,
+                              keepalive_expiry=2.0)
+        self.http = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
+                                      timeout=1800, limits=limits)
+        self.client = AsyncClient(url, http=self.http)
+
+    async def batch(self, ps: list[list[int]], gen: int, specs: list) -> float:
+        """Seconds from sending the first of `ps` to holding every response and its results."""
+        t = time.perf_counter()
+        gens = await asyncio.gather(*(self.client.generate(p, s, max_tokens=gen, temperature=0.0, ignore_eos=True)
+                                      for p, s in zip(ps, specs)))
+        for g, s in zip(gens, specs):      # a failed op is an error in the results: none here
+            if s is not None and (g.results is None or not g.results.ok):
+                raise RuntimeError(f"request failed: {g.results and g.results.errors}")
+        return time.perf_counter() - t
+
+
+async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
+    specs = [spec_of(i) for i in range(n)]
+    plain = [None] * n
+    rows = []
+    for rep in range(reps):
+        ps = prompts(n, plen, vocab, seed=1000 * rep + n)
+        tn = await drivers["native"].batch(ps, gen, plain)
+        pair = [("hooked_s", specs), ("unhooked_s", plain)]
+        row = {"native_s": tn}
+        for key, sp in pair if rep % 2 == 0 else pair[::-1]:
+            row[key] = await drivers["plugin"].batch(ps, gen, sp)
+        rows.append(row)
+    res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows}
+    for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s"),
+                          ("unhooked_vs_native", "unhooked_s", "native_s")):
+        res[est] = median_ci([r[num] / r[den] for r in rows])
+    res["requests_per_s_native"] = n / min(r["native_s"] for r in rows)
+    print(f"  {name:30s} n={n:<4d} {plen}+{gen}: in-engine {res['in_engine'][0]:.3f} "
+          f"[{res['in_engine'][1]:.3f}, {res['in_engine'][2]:.3f}]  vs native {res['vs_native'][0]:.3f}  "
+          f"native {1e3 * min(r['native_s'] for r in rows):.0f} ms", flush=True)
+    return res
+
+
+def report(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
+             f"wall {m.get('wall_s', 0):.0f} s; served (`vllm serve`, results inline). Ratios: median "
+             "[95 % bootstrap interval] over reps.", "",
+             "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
+             "unhooked vs native | native, requests/s | target |", "|---|---|---|---|---|---|---|---|"]
+    for r in result.get("cases", []):
+        key = ("prefill", True) if r["gen"] == 1 and r["workload"] != "unused" else (r["workload"], False)
+        t = TARGETS.get(key)
+        ie = r["in_engine"]
+        verdict = "" if t is None else (("met" if ie[2] <= t else "met by the median" if ie[0] <= t else "NOT met")
+                                        + f" (<= {t})")
+        lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
+                     f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {r['unhooked_vs_native'][0]:.3f} | "
+                     f"{r['requests_per_s_native']:.0f} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+async def bench(args, model: str, cfg: dict, result: Record) -> None:
+    servers = start_servers(args, model, result.out)
+    drivers = {}
+    try:
+        n_max = max(int(b.split("x")[0]) for b in args.batches)
+        drivers = {name: Driver(s.url, n_max) for name, s in servers.items()}
+        import torch
+
+        await drivers["plugin"].client.register_vectors({VECTOR: torch.randn(cfg["hidden_size"])})
+        wl = workloads(cfg["num_hidden_layers"])
+        for b in args.batches:
+            n, rest = b.split("x")
+            plen, gen = rest.split("+")
+            for name in args.workloads:
+                result["cases"].append(await run_case(drivers, name, wl[name], int(n), int(plen), int(gen),
+                                                      args.reps, cfg["vocab_size"]))
+                result.save()
+    finally:
+        for d in drivers.values():
+            await d.http.aclose()
+        for s in servers.values():
+            s.stop()
+
+
+def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--batches", nargs="+", help="NxPROMPT+GEN (default 64x128+1 64x128+128 256x128+1 "
+                    "256x128+128; with --smoke 8x16+1 8x16+4)")
+    ap.add_argument("--workloads", nargs="+", default=["unused", "steer_add_all_layers",
+                                                        "capture_last_prompt_4_layers", "mixed_thirds"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gpu-mem", type=float, default=0.35)
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--inline-bytes", type=int, default=64 << 20,
+                    help="the plugin server's max_inline_result_bytes (larger results go by handle)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
+    args = ap.parse_args()
+    if args.smoke:
+        from vllm_hook.testing.tiny_models import tiny_model
+
+        model = tiny_model("qwen2")
+        args.batches = args.batches or ["8x16+1", "8x16+4"]
+        args.reps = min(args.reps, 2)
+    else:
+        from make_model import build
+
+        model = args.model or build(args.shape, "/tmp/vh_models")
+    args.batches = args.batches or ["64x128+1", "64x128+128", "256x128+1", "256x128+128"]
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    result = Record(Path(args.out), run_meta(model, cfg), render=report, cases=[])
+    try:
+        asyncio.run(bench(args, model, cfg, result))
+    finally:
+        result.save()
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
