@@ -140,7 +140,7 @@ def write_new(fd: int, parts: list[tuple[torch.Tensor, int]]) -> None:
     """Write each contiguous uint8 tensor of `parts` at its offset into file `fd`, with write
     calls. For pages the file does not hold yet: a mapping would have to map each fresh page
     (MAP_POPULATE), which costs more than the kernel's copy into them (0.4 against 0.8 s per
-    GiB on tmpfs, `benchmarks/host_memory.py`)."""
+    GiB on the CI machine's tmpfs)."""
     for src, offset in parts:
         view = memoryview(src.numpy()).cast("B")
         while len(view):

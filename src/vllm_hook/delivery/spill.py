@@ -33,7 +33,8 @@ PREFIX = "vllm_hook-"
 FREE = PREFIX + "free-"
 # Handed-back files kept per directory, at most: 4 GiB, or a quarter of a smaller /dev/shm.
 # Large enough for every layer and token of 32 x 512-token prompts of a 1.5B model (1.4 GB in
-# bf16): reusing a file's pages makes its write 5x faster than writing into fresh ones.
+# bf16): a write into a reused file's pages took 190 ms per GiB on the CI machine, into fresh
+# ones 460 ms (`benchmarks/host_memory.py`).
 KEEP_FREE_BYTES = 4 << 30
 PAD = "__pad__"       # covers the unused tail of a reused, larger file: it stays valid safetensors
 ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
@@ -68,8 +69,8 @@ def open_entry(entry: dict) -> Any:
     may view it). A file that could be kept for reuse is read into private huge-page memory
     and handed back; a larger one (over `keep_limit`, deleted after reading otherwise) is
     mapped instead of read, and deleted at once: the results view its pages (this process's
-    alone now), which the kernel frees with the last view. That saves a copy of the whole payload (1.4 GB for every layer and
-    token of 32 x 512-token prompts of a 1.5B model)."""
+    alone now), which the kernel frees with the last view. That saves a copy of the whole
+    payload (1.4 GB for every layer and token of 32 x 512-token prompts of a 1.5B model)."""
     if "blob" in entry:
         return entry["blob"]
     path = entry["path"]
