@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Source on the lent GPU machine (vLLM 0.26 from ../shared/gpu's kit, no network):
-#   source scripts/gpu_env.sh
+# Source on the lent GPU machine (no network):
+#   source scripts/gpu_env.sh          # vLLM 0.26 from ../shared/gpu's kit (.gpukit/)
+#   source scripts/gpu_env.sh 0.33     # vLLM 0.33 from scripts/gpu/build-kit.sh (.gpukit-0.33/)
 # Unpacks/activates the kit, puts src/ on PYTHONPATH and registers vllm-hook's entry points
 # (vLLM finds plugins through installed package metadata) without pip.
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-source "$here/.gpukit/unpack.sh"
+if [ -n "${1:-}" ]; then
+  source "$here/.gpukit-$1/unpack.sh"; site=/tmp/site-$1
+else
+  source "$here/.gpukit/unpack.sh"; site=/tmp/site
+fi
 export PYTHONPATH="$here/src:$here/benchmarks:${PYTHONPATH:-}"
-di=/tmp/site/vllm_hook-0.1.0.dist-info
+di=$site/vllm_hook-0.1.0.dist-info
 mkdir -p "$di"
 printf 'Metadata-Version: 2.1\nName: vllm-hook\nVersion: 0.1.0\n' >"$di/METADATA"
 awk '/^\[project.entry-points/{gsub(/\[project.entry-points."|"\]/,""); print "[" $0 "]"; on=1; next} /^\[/{on=0} on && NF' \
