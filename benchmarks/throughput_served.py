@@ -32,7 +32,7 @@ from engine_worker import prompts  # noqa: E402
 from gpu_serve_check import Server, free_port, launch_command  # noqa: E402
 from pool import median_ci  # noqa: E402
 from run import Record, bench_parser, run_meta, workloads  # noqa: E402
-from throughput import TARGETS  # noqa: E402
+from throughput import verdict  # noqa: E402
 from vllm_hook.client import AsyncClient  # noqa: E402
 
 KEY = "bench-key"
@@ -119,14 +119,10 @@ def report(result: dict) -> str:
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
              "unhooked vs native | native, requests/s | target |", "|---|---|---|---|---|---|---|---|"]
     for r in result.get("cases", []):
-        key = ("prefill", True) if r["gen"] == 1 and r["workload"] != "unused" else (r["workload"], False)
-        t = TARGETS.get(key)
         ie = r["in_engine"]
-        verdict = "" if t is None else (("met" if ie[2] <= t else "met by the median" if ie[0] <= t else "NOT met")
-                                        + f" (<= {t})")
         lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
                      f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {r['unhooked_vs_native'][0]:.3f} | "
-                     f"{r['requests_per_s_native']:.0f} | {verdict} |")
+                     f"{r['requests_per_s_native']:.0f} | {verdict(r)} |")
     return "\n".join(lines) + "\n"
 
 
