@@ -24,7 +24,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from run import Record, bench_parser, logprob_gap, model_and_base, run_meta, start, tpot, tracker_layers  # noqa: E402
+from run import (Record, bench_parser, logprob_gap, model_and_base, run_meta, start, torch_cat, tpot,  # noqa: E402
+                 tracker_layers)
 
 TARGET_UNUSED, TARGET_HOOKED = 1.01, 1.25
 
@@ -117,12 +118,6 @@ def lens_math(vocab: int) -> dict:
                        "logprob_max_gap": float((cl - pl).abs().max()),
                        "chunked_us": times["chunked"], "plain_us": times["plain"]}
     return out
-
-
-def torch_cat(xs):
-    import torch
-
-    return torch.cat(xs)
 
 
 def load_norms(r, layer):

@@ -119,6 +119,9 @@ def write_report(r: dict) -> str:
     c = r.get("check")
     if c:
         lines += ["Checks:", "", "```", json.dumps(c["checks"], indent=1), "```"]
+        if "checks_breakable" in c:
+            lines += ["", "Checks, breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1) against the same eager "
+                      "engines:", "", "```", json.dumps(c["checks_breakable"], indent=1), "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -44,6 +44,7 @@ class Worker:
                    TRITON_CACHE_DIR=f"{cache}/triton", PYTHONUNBUFFERED="1")
         if cfg.get("native"):
             env["VLLM_HOOK_DISABLE"] = "1"
+        env.update(cfg.get("env") or {})
         self.proc = subprocess.Popen([sys.executable, str(HERE / "engine_worker.py"), json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
@@ -65,7 +66,8 @@ class Worker:
             self.tail = (self.tail + [line])[-40:]
             for k, pat in LOG_PATTERNS.items():
                 m = pat.search(line)
-                if m and k not in self.figures:
+                # The last graph capture counts: vLLM 0.33 first captures for its memory profile.
+                if m and (k not in self.figures or k == "graph_gib"):
                     self.figures[k] = float(m.group(1).replace(",", ""))
         self.replies.put({"error": f"{self.name} exited", "tail": "".join(self.tail)})
 
@@ -94,8 +96,8 @@ class Worker:
             self.proc.kill()
 
 
-def start(name, model, llm_kwargs, log_dir, native=False, timeout=900, cpus=None) -> tuple[Worker, dict]:
-    w = Worker(name, {"model": model, "llm": llm_kwargs, "native": native}, log_dir, cpus)
+def start(name, model, llm_kwargs, log_dir, native=False, timeout=900, cpus=None, env=None) -> tuple[Worker, dict]:
+    w = Worker(name, {"model": model, "llm": llm_kwargs, "native": native, "env": env}, log_dir, cpus)
     ready = w.wait(timeout)
     info = {"startup_s": ready["startup_s"], **w.figures, "stats": ready.get("stats", {})}
     print(f"[{name}] ready: {json.dumps({k: v for k, v in info.items() if k != 'stats'})}", flush=True)
@@ -285,8 +287,6 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
     chaotic (greedy tokens of native graphs and native eager drift apart too), so besides
     tokens it compares what does not compound: the first step's logprobs and prompt-row
     captures, each against the native graph-vs-eager noise floor."""
-    from safetensors.torch import load_file
-
     four = tracker_layers(L)
     specs = [
         None,
@@ -299,6 +299,9 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
         None,
         {"capture": [{"site": "attn_scores", "layers": four, "tokens": "prompt"},
                      {"site": "q", "layers": [0], "tokens": "last_prompt"}]},
+        {"hooks": [{"name": "zero_dims", "args": {"layers": [L // 2], "dims": list(range(64))}}],
+         "capture": [{"layers": [L // 2], "tokens": "all"}]},
+        {"hooks": [{"name": "stream_norms", "args": {"layers": four}}], "capture": [{"layers": four}]},
     ]
     P = 64
     save = tempfile.mkdtemp(prefix="vh_check_")
@@ -307,9 +310,25 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
         res[name] = w.call({"op": "outputs", "n": len(specs), "prompt_len": P, "max_tokens": 24,
                             "specs": specs, "save_dir": save, "tag": name, "logprobs": 5})["outputs"]
     tok = {k: [o["tokens"] for o in v] for k, v in res.items()}
+    out = {"specs": [json.dumps(s)[:160] if s else None for s in specs], "tokens": tok}
+    out["checks"], out["capture_err"] = _checks(res, tok, L, P, "native_graph", "plugin_graph")
+    if "plugin_breakable" in res:
+        out["checks_breakable"], out["capture_err_breakable"] = _checks(
+            res, tok, L, P, "native_breakable", "plugin_breakable")
+    return out
+
+
+def _checks(res: dict, tok: dict, L: int, P: int, ng: str, pg: str) -> tuple[dict, dict]:
+    """The check's comparisons for one pair of graph engines (native `ng`, plugin `pg`)
+    against the eager pair."""
+    from safetensors.torch import load_file
+
+    import vllm_hook
+
+    four, mid = tracker_layers(L), L // 2
 
     def cap_err(i, keys_filter):
-        g, e = load_file(res["plugin_graph"][i]["saved"]), load_file(res["plugin_eager"][i]["saved"])
+        g, e = load_file(res[pg][i]["saved"]), load_file(res["plugin_eager"][i]["saved"])
         errs = {}
         for k in g:
             if k.endswith(".positions") or k == "token_ids" or not keys_filter(k):
@@ -321,23 +340,27 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
                 else float((a - b).abs().max())
         return errs
 
-    unhooked, steered = (0, 3, 5, 6), (1, 2, 4)
+    unhooked, steered, hooked = (0, 3, 5, 6), (1, 2, 4), (7, 8)
     c = {
         "noise_floor_native_graph_vs_eager": {
-            "token_agreement": _agree(tok["native_graph"], tok["native_eager"]),
-            "first_step_logprob_diff": logprob_gap(res, "native_eager", "native_graph", unhooked + steered)},
+            "token_agreement": _agree(tok[ng], tok["native_eager"]),
+            "first_step_logprob_diff": logprob_gap(res, "native_eager", ng, unhooked + steered + hooked)},
         "unhooked_plugin_vs_native_graph": {
-            "token_agreement": _agree([tok["plugin_graph"][i] for i in unhooked], [tok["native_graph"][i] for i in unhooked]),
-            "first_step_logprob_diff": logprob_gap(res, "plugin_graph", "native_graph", unhooked)},
+            "token_agreement": _agree([tok[pg][i] for i in unhooked], [tok[ng][i] for i in unhooked]),
+            "first_step_logprob_diff": logprob_gap(res, pg, ng, unhooked)},
         "unhooked_plugin_vs_native_eager": {
             "token_agreement": _agree([tok["plugin_eager"][i] for i in unhooked], [tok["native_eager"][i] for i in unhooked]),
             "first_step_logprob_diff": logprob_gap(res, "plugin_eager", "native_eager", unhooked)},
         "steered_graph_vs_eager": {
-            "token_agreement": _agree([tok["plugin_graph"][i] for i in steered], [tok["plugin_eager"][i] for i in steered]),
-            "first_step_logprob_diff": logprob_gap(res, "plugin_eager", "plugin_graph", steered)},
+            "token_agreement": _agree([tok[pg][i] for i in steered], [tok["plugin_eager"][i] for i in steered]),
+            "first_step_logprob_diff": logprob_gap(res, "plugin_eager", pg, steered)},
         "steering_effect_vs_native_graph": {
-            "first_step_logprob_diff": logprob_gap(res, "plugin_graph", "native_graph", steered),
-            "tokens_changed": [tok["plugin_graph"][i] != tok["native_graph"][i] for i in steered]},
+            "first_step_logprob_diff": logprob_gap(res, pg, ng, steered),
+            "tokens_changed": [tok[pg][i] != tok[ng][i] for i in steered]},
+        "hooked_graph_vs_eager": {
+            "token_agreement": _agree([tok[pg][i] for i in hooked], [tok["plugin_eager"][i] for i in hooked]),
+            "first_step_logprob_diff": logprob_gap(res, "plugin_eager", pg, hooked)},
+        "modifying_hook_effect_vs_native_graph_first_logprob": logprob_gap(res, pg, ng, [7]),
     }
     caps = {**{f"req3.{k}": v for k, v in cap_err(3, lambda k: True).items()},
             **{f"req4.{k}": v for k, v in cap_err(4, lambda k: True).items()}}
@@ -347,8 +370,29 @@ def check(engines: dict[str, Worker], L: int, args) -> dict:
     c["steered_prompt_capture_rel_err_graph_vs_eager_max"] = max(v for k, v in caps.items() if k.startswith("req4"))
     c["attn_scores_abs_err_graph_vs_eager_max"] = max(attn.values())
     c["q_rel_err_graph_vs_eager"] = max(qerr.values())
-    return {"specs": [json.dumps(s)[:160] if s else None for s in specs], "tokens": tok, "checks": c,
-            "capture_err": {**caps, **attn, **qerr}}
+    # Hooks: the zeroed coordinates are exactly zero in every row (prompt and generated), and
+    # the read-only hook's norms equal the same request's capture (same engine) and eager's.
+    z = [vllm_hook.Results.load(res[n][7]["saved"]) for n in (pg, "plugin_eager")]
+    c["modifying_hook_zeroed_dims_exactly"] = all(
+        float(r.activations["resid_post"][mid][:, :64].abs().max()) == 0.0 for r in z)
+    g, e = (vllm_hook.Results.load(res[n][8]["saved"]) for n in (pg, "plugin_eager"))
+    hook_vs_cap, norms_err = 0.0, 0.0
+    for x in four:
+        hg = torch_cat(g.hook_results[0][f"layer{x}"]).float()
+        he = torch_cat(e.hook_results[0][f"layer{x}"]).float()
+        cap = g.activations["resid_post"][x].float().norm(dim=-1)
+        hook_vs_cap = max(hook_vs_cap, float((hg[:len(cap)] - cap).abs().max() / cap.abs().max()))
+        n = min(len(hg), len(he), P)            # prompt rows: same inputs in both modes
+        norms_err = max(norms_err, float((hg[:n] - he[:n]).abs().max() / he[:n].abs().max()))
+    c["read_only_hook_vs_capture_same_engine_rel"] = hook_vs_cap
+    c["read_only_hook_prompt_norms_graph_vs_eager_rel"] = norms_err
+    return c, {**caps, **attn, **qerr}
+
+
+def torch_cat(xs):
+    import torch
+
+    return torch.cat(xs)
 
 
 def _agree(a, b) -> float:
@@ -361,6 +405,9 @@ def _agree(a, b) -> float:
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--suite", choices=["bench", "check", "all"], default="all")
+    ap.add_argument("--breakable", action="store_true",
+                    help="check: also a native and a plugin engine on vLLM's breakable CUDA graphs "
+                         "(VLLM_USE_BREAKABLE_CUDAGRAPH=1), against the same eager engines")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny workload: checks the suite runs")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[16, 64, 256, 512])
@@ -407,6 +454,9 @@ def main() -> None:
 
     lean_cfg = {"vllm_hook": {"capture_pool_rows": 65536}}
     full_cfg = {"vllm_hook": full_config(L)}
+    if args.suite in ("check", "all"):
+        # The check's hooked requests (7, 8) run Python hooks at these layers.
+        full_cfg["vllm_hook"]["hook_layers"] = sorted({*tracker_layers(L), L // 2})
     plan = [("native_graph", True, {})]
     if args.suite in ("bench", "all"):
         plan += [("plugin_lean", False, {"additional_config": lean_cfg}),
@@ -419,6 +469,8 @@ def main() -> None:
     if args.suite in ("check", "all"):
         plan += [("native_eager", True, {"enforce_eager": True}),
                  ("plugin_full_eager", False, {"enforce_eager": True, "additional_config": full_cfg})]
+        if args.breakable:
+            plan += [("native_breakable", True, {}), ("plugin_breakable", False, {"additional_config": full_cfg})]
     if args.plugin_first:
         plan.sort(key=lambda p: p[0] != "plugin_lean")
     cores = sorted(os.sched_getaffinity(0))
@@ -426,7 +478,8 @@ def main() -> None:
     try:
         for i, (name, native, extra) in enumerate(plan):
             cpus = cores[i * share:(i + 1) * share] if args.pin_cpus and share else None
-            w, info = start(name, model, {**base, **extra}, out, native=native, cpus=cpus)
+            env = {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"} if name.endswith("_breakable") else None
+            w, info = start(name, model, {**base, **extra}, out, native=native, cpus=cpus, env=env)
             info["cpus"] = cpus
             workers[name] = w
             result["startup"][name] = info
@@ -438,9 +491,11 @@ def main() -> None:
             save()
         if args.suite in ("check", "all"):
             engines = {"native_graph": workers["native_graph"], "plugin_graph": workers["plugin_full"],
-                       "native_eager": workers["native_eager"], "plugin_eager": workers["plugin_full_eager"]}
+                       "native_eager": workers["native_eager"], "plugin_eager": workers["plugin_full_eager"],
+                       **{k: workers[k] for k in ("native_breakable", "plugin_breakable") if k in workers}}
             result["check"] = check(engines, L, args)
-            print(json.dumps(result["check"]["checks"], indent=1), flush=True)
+            print(json.dumps({k: v for k, v in result["check"].items() if k.startswith("checks")}, indent=1),
+                  flush=True)
     finally:
         for w in workers.values():
             w.close()

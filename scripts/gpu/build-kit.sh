@@ -4,8 +4,9 @@
 #
 #   bash scripts/gpu/build-kit.sh 0.33 [PART_MIB]     # from the project's root
 #
-# 0.26 is ../shared/gpu/build-kit.sh's kit (the image's torch 2.11). 0.33 brings torch 2.14.0 and
-# triton 3.8.0 (scripts/gpu/requirements-0.33.txt, on top of the shared 0.26 list). PART_MIB
+# 0.26 is ../shared/gpu/build-kit.sh's kit (the image's torch 2.11). 0.33 brings torch 2.14.0,
+# triton 3.8.0 and NCCL 2.30.7 (scripts/gpu/requirements-0.33.txt, on top of the shared 0.26
+# list) and a torchvision stub (scripts/gpu/torchvision_stub.py). PART_MIB
 # (default 56): a device call carries at most 64 MiB with the tracked tree. Ship one part per
 # call, back to back (the machine stays warm 30 s), each call carrying its part and unpack.sh:
 #   bash .gpukit-0.33/unpack.sh                  # every call; the last one unpacks
@@ -38,7 +39,7 @@ open(sys.argv[1], "w").write("\n".join(pins.values()) + "\n")
 PY
 
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp)
-for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_24 \
+for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_24 manylinux_2_18 \
          manylinux_2_17 manylinux2014 manylinux_2_12 manylinux2010 manylinux_2_5 manylinux1; do
   plat+=(--platform "${p}_x86_64")
 done
@@ -55,6 +56,8 @@ zip -q -d "$(ls "$work"/wheels/torch-*.whl)" 'torch/bin/protoc*' 'torch/test/*' 
 
 echo "unpacking into a site folder ..."
 pip install -q --no-deps --no-compile --target "$work/site" "${plat[@]}" "$work"/wheels/*.whl 2>&1 | grep -v '^WARNING' || true
+# The image's torchvision (built for torch 2.11) must not load beside this torch: a stub instead.
+mkdir -p "$work/site/torchvision" && cp "$here/torchvision_stub.py" "$work/site/torchvision/__init__.py"
 du -sh "$work/site"
 echo "compressing (xz) ..."
 tar -cf - -C "$work/site" . | xz -T0 -6 >"$work/kit.tar.xz"

@@ -23,11 +23,11 @@ def test_unknown_vllm_version_fails_loudly(monkeypatch):
     from vllm_hook.adapters.common import UnsupportedVllm, check_version
 
     assert check_version() == vllm.__version__
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(UnsupportedVllm, match="tested on vLLM 0.26, 0.29, 0.30, 0.31, 0.32; this is "
-                       "vLLM 0.33.0.*allow_untested_vllm=true"):
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(UnsupportedVllm, match="tested on vLLM 0.26, 0.29, 0.30, 0.31, 0.32, 0.33; this is "
+                       "vLLM 0.34.0.*allow_untested_vllm=true"):
         check_version()
-    assert check_version(allow_untested=True) == "0.33.0"      # at the operator's own risk
+    assert check_version(allow_untested=True) == "0.34.0"      # at the operator's own risk
 
 
 def test_missing_runner_attribute_fails_loudly():
@@ -120,3 +120,42 @@ def test_only_adapters_read_vllm_internal_attributes():
             if pat.search(code):
                 bad.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
     assert not bad, "vLLM internals read outside adapters/:\n" + "\n".join(bad)
+
+
+def test_v2_dispatch_never_replays_a_full_graph_without_a_hooked_twin():
+    """vLLM 0.33 has FULL graphs no hooked twin mirrors (varlen decode, micro-batches): a step
+    with Python hooks is dispatched again as not uniform, with no query-length bound."""
+    from collections import namedtuple
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_hook.adapters.common import HOOK_STEP
+    from vllm_hook.adapters.v2 import HOOKED, _dispatch
+
+    Desc = namedtuple("Desc", "cg_mode key")
+    calls = []
+
+    def orig(self, num_reqs, num_tokens, uniform, num_active_loras=0, max_query_len=None, num_ubatches=1):
+        calls.append((uniform, max_query_len))
+        full = uniform is not None or max_query_len is not None
+        return Desc(CUDAGraphMode.FULL if full else CUDAGraphMode.PIECEWISE, (uniform, max_query_len))
+
+    dispatch = _dispatch(orig)
+    twin = orig(None, 8, 8, 1)
+    calls.clear()
+    mgr = SimpleNamespace()
+    try:
+        HOOK_STEP["on"] = True
+        assert dispatch(mgr, 8, 8, 1, 0, max_query_len=1).cg_mode == CUDAGraphMode.PIECEWISE   # no twins
+        assert calls == [(None, 1), (None, None)]
+        mgr.__dict__[HOOKED] = {twin: object()}
+        calls.clear()
+        assert dispatch(mgr, 8, 8, 1, 0).cg_mode == CUDAGraphMode.FULL         # the twinned graph
+        assert calls == [(1, None)]
+        HOOK_STEP["on"] = False
+        calls.clear()
+        dispatch(mgr, 8, 8, 1, 0, 4)                                           # unhooked: untouched
+        assert calls == [(1, 4)]
+    finally:
+        HOOK_STEP["on"] = False

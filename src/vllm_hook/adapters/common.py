@@ -17,8 +17,8 @@ from .requests import model_info
 log = logging.getLogger("vllm_hook")
 
 # vLLM releases whose runner internals this adapter layer is tested against (docs/versions.md):
-# 0.26 on the GPU (V2 runner), 0.29 to 0.32 on the CPU (V1 runner).
-SUPPORTED_VLLM = ("0.26", "0.29", "0.30", "0.31", "0.32")
+# 0.26 and 0.33 on the GPU (V2 runner), 0.29 to 0.32 on the CPU (V1 runner).
+SUPPORTED_VLLM = ("0.26", "0.29", "0.30", "0.31", "0.32", "0.33")
 RT_ATTR = "_vllm_hook_rt"
 
 

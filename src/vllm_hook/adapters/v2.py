@@ -44,13 +44,28 @@ WANT_HOOKED = {"on": False}        # this worker's model has hook points (set at
 
 def _dispatch(orig):
     """CudaGraphManager.dispatch(num_reqs, num_tokens, uniform_token_count, ...): a step with
-    Python hooks may use a FULL graph only if it has a hooked twin; else it is not uniform
-    decode, so it gets a piecewise graph (eager if none)."""
+    Python hooks may replay a FULL graph only if it has a hooked twin; else it is dispatched
+    as not uniform, to a piecewise graph (eager if none). 0.33 also has FULL graphs for
+    varlen decode and micro-batches, which have no twin: those steps go piecewise too."""
     def dispatch(self, num_reqs, num_tokens, uniform_token_count=None, *args, **kwargs):
-        if HOOK_STEP["on"] and not self.__dict__.get(HOOKED):
-            uniform_token_count = None
-        return orig(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+        if not HOOK_STEP["on"]:
+            return orig(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
+        hooked = self.__dict__.get(HOOKED) or {}
+        desc = orig(self, num_reqs, num_tokens, uniform_token_count if hooked else None, *args, **kwargs)
+        if desc.cg_mode == _full() and desc not in hooked:
+            if len(args) > 1:                         # (num_active_loras, max_query_len, ...)
+                args = (args[0], None, *args[2:])
+            if "max_query_len" in kwargs:
+                kwargs["max_query_len"] = None
+            desc = orig(self, num_reqs, num_tokens, None, *args, **kwargs)
+        return desc
     return dispatch
+
+
+def _full():
+    from vllm.config.compilation import CUDAGraphMode
+
+    return CUDAGraphMode.FULL
 
 
 def _capture(orig):
@@ -73,11 +88,12 @@ def _capture_hooked(manager, create_forward_fn) -> None:
     from vllm.config.compilation import CUDAGraphMode
     from vllm.distributed.parallel_state import graph_capture
     from vllm.model_executor.offloader.base import get_offloader
-    from vllm.utils.torch_utils import weak_ref_tensor
 
     from ..model.hook_point import BREAKER
 
-    descs = manager._capture_descs.get(CUDAGraphMode.FULL, [])
+    # Micro-batched FULL graphs (0.33, DBO) capture on their own threads and stream: no twin,
+    # and steps with hooks never replay them (`_dispatch`).
+    descs = [d for d in manager._capture_descs.get(CUDAGraphMode.FULL, []) if getattr(d, "num_ubatches", 1) == 1]
     if not descs:
         return
     rows = max(d.num_tokens for d in descs)
@@ -89,13 +105,6 @@ def _capture_hooked(manager, create_forward_fn) -> None:
         if not targets:
             targets.append(weakref.ref(target))
 
-    def breaker(target, boundary, hs, res):
-        # Weak references: the replay writes these addresses, and holding them would pin
-        # graph-pool memory across captures (as vLLM's own breakable capture does).
-        hs_w, res_w = weak_ref_tensor(hs), (weak_ref_tensor(res) if res is not None else None)
-        ref = weakref.ref(target)
-        BreakableCUDAGraphCapture.current().add_eager(lambda: _run(ref, boundary, hs_w, res_w))
-
     def copier(target, boundary, hs, res):
         target.copy_point(boundary, hs, res)
 
@@ -105,8 +114,10 @@ def _capture_hooked(manager, create_forward_fn) -> None:
         get_offloader().sync_prev_onload()
         BREAKER["fn"] = fn
         try:
-            with BreakableCUDAGraphCapture(pool=manager.pool) as cap:
-                forward_fn(CUDAGraphMode.NONE)
+            with _capture_pool(manager) as pool, BreakableCUDAGraphCapture(pool=pool) as cap:
+                # Marked FULL, as vLLM's own FULL capture is: attention then stays inside the
+                # graph (0.33's attention breaks any breakable capture not marked FULL).
+                forward_fn(CUDAGraphMode.FULL)
                 get_offloader().join_after_forward()
         finally:
             BREAKER["fn"] = None
@@ -120,13 +131,58 @@ def _capture_hooked(manager, create_forward_fn) -> None:
         finally:
             BREAKER["fn"] = None
         for desc in descs:
-            hooked[desc] = capture(desc, breaker)
+            hooked[desc] = capture(desc, _add_eager)
             reads[desc] = capture(desc, copier)
     manager.__dict__[HOOKED], manager.__dict__[READS] = hooked, reads
     manager.__dict__[HOOKS] = targets[0] if targets else None
     log.info("vllm_hook: captured %d FULL CUDA graphs broken at the hook points (%d segments each) "
              "and %d copying the stream there for read-only hooks", len(hooked),
              next(iter(hooked.values())).num_graphs if hooked else 0, len(reads))
+
+
+def _capture_pool(manager):
+    """The graph pool vLLM captures its FULL graphs into (0.33 routes it through
+    `capture_pool`, the cuMem pool under sleep mode)."""
+    from contextlib import nullcontext
+
+    try:
+        from vllm.compilation.cudagraph_pool import capture_pool
+    except ImportError:          # 0.26
+        return nullcontext(manager.pool)
+    return capture_pool(manager.pool, manager.vllm_config)
+
+
+def _add_eager(target, boundary, hs, res) -> None:
+    """Records the hook point as an eager step of the breakable capture in progress: every
+    replay runs the step's hooks there, between the graph segments."""
+    import weakref
+
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    from vllm.utils.torch_utils import weak_ref_tensor
+
+    # Weak references: the replay writes these addresses, and holding them would pin
+    # graph-pool memory across captures (as vLLM's own breakable capture does).
+    hs_w, res_w = weak_ref_tensor(hs), (weak_ref_tensor(res) if res is not None else None)
+    ref = weakref.ref(target)
+    BreakableCUDAGraphCapture.current().add_eager(lambda: _run(ref, boundary, hs_w, res_w))
+
+
+def _breakable_capture(orig):
+    """BreakableCUDAGraphWrapper._capture: vLLM's breakable PIECEWISE graphs
+    (VLLM_USE_BREAKABLE_CUDAGRAPH=1; 0.33 turns it on for some architectures) run the model
+    without torch.compile, so no splitting op ends a piece there: the hook points break the
+    capture as vLLM's attention does, and hooks run eagerly between the segments."""
+    from ..model.hook_point import BREAKER
+
+    def _capture(self, *args, **kwargs):
+        if not WANT_HOOKED["on"] or BREAKER["fn"] is not None:
+            return orig(self, *args, **kwargs)
+        BREAKER["fn"] = _add_eager
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            BREAKER["fn"] = None
+    return _capture
 
 
 def _run(ref, boundary, hs, res) -> None:
@@ -199,6 +255,12 @@ def _patch_graphs(mod) -> None:
     wrap_method(mod.CudaGraphManager, "run_fullgraph", _run_fullgraph)
 
 
+def _patch_breakable(mod) -> None:
+    require(mod.BreakableCUDAGraphWrapper, ("_capture",), "BreakableCUDAGraphWrapper")
+    wrap_method(mod.BreakableCUDAGraphWrapper, "_capture", _breakable_capture)
+
+
 def install() -> None:
     when_imported("vllm.v1.worker.gpu.model_runner", _patch)
     when_imported("vllm.v1.worker.gpu.cudagraph_utils", _patch_graphs)
+    when_imported("vllm.compilation.breakable_cudagraph", _patch_breakable)

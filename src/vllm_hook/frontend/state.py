@@ -6,6 +6,7 @@ frontend (offline `LLM` and the API server alike), so two engines in one process
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -63,13 +64,21 @@ class FrontendState:
 
 def state_of(input_processor: Any) -> FrontendState:
     st = input_processor.__dict__.get(STATE_ATTR)
-    if st is None:
-        vc, info, max_model_len = engine_facts(input_processor)
-        cfg = HookConfig.from_vllm_config(vc)
-        st = FrontendState(cfg=cfg, info=info, points=PointTable.for_config(info.num_layers, cfg),
-                           max_model_len=max_model_len)
-        input_processor.__dict__[STATE_ATTR] = st
+    if st is not None:
+        return st
+    # vLLM 0.33's AsyncLLM admits raw prompts on its renderer's thread, beside the event loop.
+    with _STATE_LOCK:
+        st = input_processor.__dict__.get(STATE_ATTR)
+        if st is None:
+            vc, info, max_model_len = engine_facts(input_processor)
+            cfg = HookConfig.from_vllm_config(vc)
+            st = FrontendState(cfg=cfg, info=info, points=PointTable.for_config(info.num_layers, cfg),
+                               max_model_len=max_model_len)
+            input_processor.__dict__[STATE_ATTR] = st
     return st
+
+
+_STATE_LOCK = threading.Lock()
 
 
 def allow_pickles(st: FrontendState) -> bool:
