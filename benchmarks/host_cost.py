@@ -42,6 +42,9 @@ MAX_TOKENS = 16384           # vLLM 0.26's max_num_batched_tokens on the H200
 SPECS = {
     "steer_add_all_layers": {"steer": [{"op": "add", "layer": x, "vector": "bench_a", "scale": 0.05} for x in range(L)]},
     "capture_last_prompt_4_layers": {"capture": [{"layers": [4, 9, 16, 26], "tokens": "last_prompt"}]},
+    # The mixed batch's heavy third (benchmarks/throughput.py `mixed_thirds`): every prompt and
+    # generated token at 4 layers.
+    "capture_all_tokens_4_layers": {"capture": [{"layers": [4, 9, 16, 26], "tokens": "all"}]},
 }
 
 
@@ -93,6 +96,8 @@ def step(rt: HookRuntime, ids: list[str], rows_each: int, computed: list[int]) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=1, help="decode steps of the whole batch after the prefill")
+    ap.add_argument("--specs", nargs="+", default=list(SPECS), choices=list(SPECS))
     ap.add_argument("--out")
     args = ap.parse_args()
     n = args.requests
@@ -102,7 +107,8 @@ def main() -> None:
     spill = spill_target(shm)
     ip = frontend(cfg)
     out = {}
-    for name, spec in SPECS.items():
+    for name in args.specs:
+        spec = SPECS[name]
         cold, _ = admit_batch(ip, spec, n, cache=False)
         warm, reqs = admit_batch(ip, spec, n, cache=True)
         rt = worker(cfg)
@@ -115,7 +121,7 @@ def main() -> None:
         t_route = 0.0
         for a in range(0, n, MAX_TOKENS // P):
             t_route += step(rt, ids[a:a + MAX_TOKENS // P], P, [0] * len(ids[a:a + MAX_TOKENS // P]))
-        t_decode = step(rt, ids, 1, [P] * n) / n
+        t_decode = sum(step(rt, ids, 1, [P + g] * n) for g in range(args.decode_steps)) / n
         t_route /= n
         # The prefill steps' copies (on the CPU the pools are host memory) went to the stores.
         stored = sum(req.store.nbytes for req in rt.requests.values())
@@ -127,7 +133,8 @@ def main() -> None:
         fetched = merge_ranks([rt.fetch(keys, spill)])
         t_fetch = (time.perf_counter() - t) / n
         st = ip.__dict__[STATE_ATTR]
-        items = [{"site": "resid_post", "layer": x, "sel": "last_prompt", "pos": []} for x in (4, 9, 16, 26)]
+        items = st.pending["0"][1].items          # request 0 of the batch, as admitted
+        gen = list(range(1, args.decode_steps + 1))
         with no_gc():                          # as the frontend's delivery does
             t = time.perf_counter()
             opened = Opened()
@@ -136,14 +143,15 @@ def main() -> None:
             t = time.perf_counter()
             for k in keys:
                 build(parts[k], items if stored else [], st.points, request_id="r",
-                      prompt_token_ids=list(range(P)), output_token_ids=[1])
+                      prompt_token_ids=list(range(P)), output_token_ids=gen)
             t_build = (time.perf_counter() - t) / n
-        out[name] = {"frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
+        out[name] = {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
                      "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
                      "worker_decode_routing_us": 1e6 * t_decode, "worker_finish_us": 1e6 * t_finish,
                      "worker_fetch_us": 1e6 * t_fetch, "frontend_read_us": 1e6 * t_read,
                      "frontend_build_us": 1e6 * t_build}
-        print(f"{name:30s} {n} requests, µs per request: " + ", ".join(f"{k} {v:.0f}" for k, v in out[name].items()),
+        print(f"{name:30s} {n} requests, µs per request: " + ", ".join(f"{k} {v:.0f}" for k, v in out[name].items()
+                                                                     if k != "decode_steps"),
               flush=True)
     shutil.rmtree(shm, ignore_errors=True)
     if args.out:

@@ -10,8 +10,8 @@ response's results decoded (`Generation.results`): what a served user waits for.
 the native server (`VLLM_HOOK_DISABLE=1`), then the plugin server without specs and with the
 workload's specs, those two in alternating order; the in-engine ratio is hooked over unhooked on
 one server. Both servers run at once, each with its share of GPU memory, and only one is sent
-requests at a time. Results are inline up to --inline-bytes, larger ones by handle (the client
-fetches and deletes them).
+requests at a time. Results are inline up to --inline-bytes (default: the plugin's), larger ones
+by handle (the client fetches and deletes each in one round trip).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def start_servers(args, model: str, out: Path) -> dict[str, Server]:
     launcher = "api-server" if args.smoke else "module"
     servers = {}
     for name, env, config in (("native", {"VLLM_HOOK_DISABLE": "1"}, None),
-                              ("plugin", {}, {"vllm_hook": {"max_inline_result_bytes": args.inline_bytes,
-                                                            "capture_pool_rows": 1 << 18}})):
+                              ("plugin", {}, {"vllm_hook": {"capture_pool_rows": 1 << 18, **(
+                                  {} if args.inline_bytes is None else {"max_inline_result_bytes": args.inline_bytes})}})):
         port = free_port()
         cmd = launch_command(launcher, model, port, KEY, config, server_args(args))
         servers[name] = Server(cmd, out / f"server-{name}.log", port, env=env)
@@ -114,7 +114,8 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
 def report(result: dict) -> str:
     m = result["meta"]
     lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
-             f"wall {m.get('wall_s', 0):.0f} s; served (`vllm serve`, results inline). Ratios: median "
+             f"wall {m.get('wall_s', 0):.0f} s; served (`vllm serve`, results inline up to "
+             f"{m.get('inline_bytes') or 'the default 1 MiB'} bytes, larger by handle). Ratios: median "
              "[95 % bootstrap interval] over reps.", "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
              "unhooked vs native | native, requests/s | target |", "|---|---|---|---|---|---|---|---|"]
@@ -159,14 +160,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gpu-mem", type=float, default=0.35)
     ap.add_argument("--start-timeout", type=float, default=900)
-    ap.add_argument("--inline-bytes", type=int, default=64 << 20,
-                    help="the plugin server's max_inline_result_bytes (larger results go by handle)")
+    ap.add_argument("--inline-bytes", type=int,
+                    help="the plugin server's max_inline_result_bytes (larger results go by handle; "
+                         "default: the plugin's, 1 MiB; runs 48 and 49 used 64 MiB: all inline)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
+    ap.add_argument("--smoke-layers", type=int, default=4, help="--smoke: layers of the tiny Qwen2")
     args = ap.parse_args()
     if args.smoke:
         from vllm_hook.testing.tiny_models import tiny_model
 
-        model = tiny_model("qwen2")
+        model = tiny_model("qwen2", layers=args.smoke_layers)
         args.batches = args.batches or ["8x16+1", "8x16+4"]
         args.reps = min(args.reps, 2)
     else:
@@ -175,7 +178,7 @@ def main() -> None:
         model = args.model or build(args.shape, "/tmp/vh_models")
     args.batches = args.batches or ["64x128+1", "64x128+128", "256x128+1", "256x128+128"]
     cfg = json.loads((Path(model) / "config.json").read_text())
-    result = Record(Path(args.out), run_meta(model, cfg), render=report, cases=[])
+    result = Record(Path(args.out), run_meta(model, cfg, inline_bytes=args.inline_bytes), render=report, cases=[])
     try:
         asyncio.run(bench(args, model, cfg, result))
     finally:

@@ -173,6 +173,13 @@ def test_handle_routes(server):
     assert results.activations["resid_post"][0].shape == (len(ids) + 1, H)
     assert httpx.delete(f"{server.url}/v1/hook/results/{handle}", headers=auth).status_code == 200
     assert httpx.get(f"{server.url}/v1/hook/results/{handle}", headers=auth).status_code == 404
+    # One round trip: fetched and deleted.
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=120)
+    handle = r.json()["vllm_hook"]["results"][0]["handle"]
+    got = httpx.get(f"{server.url}/v1/hook/results/{handle}?delete=true", headers=auth)
+    assert got.status_code == 200 and vllm_hook.Results.from_bytes(got.content).activations["resid_post"][0].shape \
+        == (len(ids) + 1, H)
+    assert httpx.get(f"{server.url}/v1/hook/results/{handle}", headers=auth).status_code == 404
     assert httpx.delete(f"{server.url}/v1/hook/results/{handle}", headers=auth).status_code == 404
 
 

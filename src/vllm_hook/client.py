@@ -172,6 +172,11 @@ def _entries(response: Any) -> list[dict]:
     return sorted((hook or {}).get("results", []), key=lambda e: e["index"])
 
 
+def _fetch_path(handle: str) -> str:
+    """A retained result, fetched and deleted on the server in one round trip."""
+    return f"/v1/hook/results/{handle}?delete=true"
+
+
 def _decode(entry: dict, data: bytes | None) -> Results:
     if data is None:
         return Results(request_id="", prompt_len=0, token_ids=[], index=entry.get("index", 0),
@@ -339,8 +344,7 @@ class Client:
         for e in _entries(response):
             data = base64.b64decode(e["data"]) if e.get("data") else None
             if data is None and e.get("handle"):
-                data = self._call("GET", f"/v1/hook/results/{e['handle']}").content
-                self._call("DELETE", f"/v1/hook/results/{e['handle']}")
+                data = self._call("GET", _fetch_path(e["handle"])).content
             out.append((e["index"], _decode(e, data)))
         return out
 
@@ -452,8 +456,7 @@ class AsyncClient:
         async def one(e: dict) -> tuple[int, Results]:
             data = base64.b64decode(e["data"]) if e.get("data") else None
             if data is None and e.get("handle"):
-                data = (await self._call("GET", f"/v1/hook/results/{e['handle']}")).content
-                await self._call("DELETE", f"/v1/hook/results/{e['handle']}")
+                data = (await self._call("GET", _fetch_path(e["handle"]))).content
             return e["index"], _decode(e, data)
 
         return list(await asyncio.gather(*(one(e) for e in _entries(response))))

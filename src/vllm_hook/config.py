@@ -134,8 +134,9 @@ class HookConfig(BaseModel):
         "others keep theirs. Default: 1/2 of the host's memory.",
     )
     max_inline_result_bytes: int = Field(
-        default=8 << 20, ge=0,
-        description="Served mode: results up to this size travel inline in the response.",
+        default=1 << 20, ge=0,
+        description="Served mode: results up to this size travel inline in the response (base64 in "
+        "JSON), larger ones by handle (binary): MB-size results cost about half as much by handle.",
     )
     result_ttl_s: float = Field(
         default=600.0, gt=0,

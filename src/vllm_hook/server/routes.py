@@ -6,6 +6,7 @@ guards every `/v1` path).
     POST   /v1/hook/vectors            {name: [floats] | {"b64": ..., "dtype": ...}, ...}
     DELETE /v1/hook/vectors/{name}
     GET    /v1/hook/results/{handle}   safetensors bytes of a result too large to inline
+                                       (`?delete=true`: and deleted, one round trip)
     DELETE /v1/hook/results/{handle}
     POST   /v1/hook/hooks/register     {"hooks": [{"name": ..., "args": {...}} | {"pickle": ...}]}
     GET    /v1/hook/hooks/collect      persistent-hook results, base64 safetensors
@@ -151,7 +152,8 @@ async def get_result(handle: str, request: Request):
     engine, sv = _served(request)
     if engine is None:
         return _no_engine()
-    data = sv.store.get(handle)
+    delete = request.query_params.get("delete", "false").lower() in ("1", "true", "yes")
+    data = sv.store.pop(handle) if delete else sv.store.get(handle)
     if data is None:
         return _fail(f"no retained result {handle!r}: unknown, deleted, or older than "
                      f"result_ttl_s={sv.store.ttl_s:g}", 404, "NotFoundError")

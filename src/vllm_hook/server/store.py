@@ -49,13 +49,17 @@ class ResultStore:
             item = self._items.get(handle)
         return item[1] if item else None
 
-    def delete(self, handle: str) -> bool:
+    def pop(self, handle: str) -> bytes | None:
+        """The result, removed: one round trip for a client that fetches it once."""
         with self._lock:
             self._expire()
             item = self._items.pop(handle, None)
             if item:
                 self._bytes -= len(item[1])
-        return item is not None
+        return item[1] if item else None
+
+    def delete(self, handle: str) -> bool:
+        return self.pop(handle) is not None
 
     def stats(self) -> StoreStats:
         with self._lock:
