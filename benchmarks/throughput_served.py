@@ -157,7 +157,7 @@ def main() -> None:
                     "256x128+128; with --smoke 8x16+1 8x16+4)")
     ap.add_argument("--workloads", nargs="+", default=["unused", "steer_add_all_layers",
                                                         "capture_last_prompt_4_layers", "mixed_thirds"])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, help="default 5 (2 with --smoke)")
     ap.add_argument("--gpu-mem", type=float, default=0.35)
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--inline-bytes", type=int,
@@ -171,12 +171,13 @@ def main() -> None:
 
         model = tiny_model("qwen2", layers=args.smoke_layers)
         args.batches = args.batches or ["8x16+1", "8x16+4"]
-        args.reps = min(args.reps, 2)
+        args.reps = args.reps or 2
     else:
         from make_model import build
 
         model = args.model or build(args.shape, "/tmp/vh_models")
     args.batches = args.batches or ["64x128+1", "64x128+128", "256x128+1", "256x128+128"]
+    args.reps = args.reps or 5
     cfg = json.loads((Path(model) / "config.json").read_text())
     result = Record(Path(args.out), run_meta(model, cfg, inline_bytes=args.inline_bytes), render=report, cases=[])
     try:
