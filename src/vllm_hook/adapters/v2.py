@@ -47,12 +47,16 @@ def _dispatch(orig):
     Python hooks may replay a FULL graph only if it has a hooked twin; else it is dispatched
     as not uniform, to a piecewise graph (eager if none). 0.33 also has FULL graphs for
     varlen decode and micro-batches, which have no twin: those steps go piecewise too."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    full = CUDAGraphMode.FULL
+
     def dispatch(self, num_reqs, num_tokens, uniform_token_count=None, *args, **kwargs):
         if not HOOK_STEP["on"]:
             return orig(self, num_reqs, num_tokens, uniform_token_count, *args, **kwargs)
         hooked = self.__dict__.get(HOOKED) or {}
         desc = orig(self, num_reqs, num_tokens, uniform_token_count if hooked else None, *args, **kwargs)
-        if desc.cg_mode == _full() and desc not in hooked:
+        if desc.cg_mode == full and desc not in hooked:
             if len(args) > 1:                         # (num_active_loras, max_query_len, ...)
                 args = (args[0], None, *args[2:])
             if "max_query_len" in kwargs:
@@ -60,12 +64,6 @@ def _dispatch(orig):
             desc = orig(self, num_reqs, num_tokens, None, *args, **kwargs)
         return desc
     return dispatch
-
-
-def _full():
-    from vllm.config.compilation import CUDAGraphMode
-
-    return CUDAGraphMode.FULL
 
 
 def _capture(orig):
