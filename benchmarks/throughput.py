@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", help="NxPROMPT+GEN (default 64x128+1 64x128+128 256x128+1 "
                     "256x128+128; with --smoke 8x16+1 8x16+4)")
     ap.add_argument("--no-big", action="store_true", help="skip the all-layer all-token capture case")
+    ap.add_argument("--only-big", action="store_true", help="run only the all-layer all-token capture case")
     ap.add_argument("--workloads", nargs="+", default=["unused", "steer_add_all_layers", "steer_add_1_layer",
                                                         "capture_last_prompt_4_layers", "capture_all_tokens_4_layers",
                                                         "mixed_thirds"])
@@ -120,9 +121,9 @@ def main() -> None:
     big = (32, 512)
     if args.smoke:
         big = (4, 64)
-        args.batches = args.batches or ["8x16+1", "8x16+4"]
+        args.batches = args.batches or ([] if args.only_big else ["8x16+1", "8x16+4"])
         args.reps = min(args.reps, 2)
-    args.batches = args.batches or ["64x128+1", "64x128+128", "256x128+1", "256x128+128"]
+    args.batches = [] if args.only_big else (args.batches or ["64x128+1", "64x128+128", "256x128+1", "256x128+128"])
     cfg = json.loads((Path(model) / "config.json").read_text())
     L = cfg["num_hidden_layers"]
     wl = workloads(L)

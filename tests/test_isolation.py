@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import vllm_hook
 
@@ -113,3 +114,34 @@ def test_requests_steering_alike_share_table_rows(llm):
     run(llm, [ids], [sp(None, max_tokens=1)])
     s = vllm_hook.stats(llm)
     assert (s["ops_in_use"], s["vectors_in_use"]) == (0, 0), s
+
+
+def test_large_captures_are_lent_from_the_workers_arena_and_released(llm):
+    """A prompt's rows of 64 KiB and more land in the worker's shared arena (`delivery.arena`).
+    The first fetch offers the arena (the rows travel as bytes), later ones lend the rows: the
+    results view the worker's memory, equal bit for bit to the copied ones, writable, and
+    their range returns to the worker once the results are freed."""
+    import gc
+
+    ids = [ids_of(llm, " ".join(PROMPTS * 2))[:200]] * 2
+    spec = {"capture": [{"layers": "all", "tokens": "all", "site": s} for s in ("resid_post", "attn_out")],
+            "dtype": "model"}
+    rounds, lent = [], []
+    for _ in range(3):
+        outs = run(llm, ids, [sp(spec, max_tokens=1)] * 2)
+        rounds.append([res(o) for o in outs])
+        lent.append(vllm_hook.stats(llm).get("arena_pieces_lent", 0))
+    assert lent[0] >= 0 and lent[2] > lent[1] > lent[0], lent       # lent from the second fetch on
+    first, last = rounds[0], rounds[2]
+    for a, b in zip(first, last):
+        assert a.ok and b.ok, (a.errors, b.errors)
+        for site in ("resid_post", "attn_out"):
+            for L in range(4):
+                assert b.activations[site][L].shape == (len(ids[0]), 128)
+                assert torch.equal(a.activations[site][L], b.activations[site][L]), (site, L)
+    last[0].activations["resid_post"][0][0, 0] = 1.0          # the user's to change
+    before = vllm_hook.stats(llm)["arena_pieces_out"]
+    assert before > 0
+    del rounds, first, last, a, b, outs
+    gc.collect()
+    assert vllm_hook.stats(llm)["arena_pieces_out"] == 0     # released when the results were freed

@@ -120,6 +120,14 @@ class HookConfig(BaseModel):
         "each result file and deletes it at once), instead of sending them through vLLM's "
         "RPC. None, another host or container, or a full or unwritable directory: the RPC.",
     )
+    result_arena_bytes: int | None = Field(
+        default=None, ge=0,
+        description="A worker's shared result arena: captured blocks of 64 KiB and more (a "
+        "prompt's rows) are copied from the device straight into it (page-locked once) and "
+        "reach a frontend on the same host without another copy; its results view the arena "
+        "until they are freed. When full, or 0, results are written per fetch instead. "
+        "Default: 1/16 of the host's memory, from 1 to 4 GiB (docs/architecture.md, delivery).",
+    )
     max_capture_bytes_per_request: int | None = Field(
         default=None, ge=1,
         description="Host bytes one request's captures may take on a worker in the worst case "
@@ -189,6 +197,12 @@ class HookConfig(BaseModel):
         """(bytes per request, bytes in flight per worker), defaults from the host's memory."""
         mem = host_memory_bytes()
         return (self.max_capture_bytes_per_request or mem // 8, self.max_inflight_capture_bytes or mem // 2)
+
+    def arena_bytes(self) -> int:
+        """Size of each worker's shared result arena (0: none)."""
+        if self.result_arena_bytes is not None:
+            return self.result_arena_bytes
+        return min(4 << 30, max(1 << 30, host_memory_bytes() // 16))
 
     def layers_of(self, value, num_layers: int) -> set[int]:
         if value is None:

@@ -122,3 +122,67 @@ def test_served_requests_finishing_together_share_one_fetch():
 
     asyncio.run(main())
     assert st.timing["fetches"] == 3
+
+
+def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go():
+    """`delivery.arena`: a block's range is free again only when the worker's views died and
+    every piece lent from it was released by the frontend; freed neighbours merge; a full
+    arena answers None (the caller copies instead); a lent piece reads the same bytes."""
+    import gc
+
+    from vllm_hook.delivery import arena as A
+    from vllm_hook.delivery.store import batch_to_wire, parse_batch
+
+    a = A.Arena(4 * 100 * 1024, torch.device("cpu"))
+    front = A.FrontendArenas()
+    front.adopt(a.offer())
+    assert front.tokens() == [a.token.hex()]
+    x = a.alloc((2, 100, 256), torch.float32)            # 200 KiB: half of it
+    y = a.alloc((2, 100, 256), torch.float32)
+    assert x is not None and y is not None and a.alloc((1, 100, 256), torch.float32) is None   # full
+    x.copy_(torch.randn_like(x))
+    want = x[1].clone()
+    ref = a.lend(x[1])
+    assert ref is not None and a.stats()["arena_pieces_out"] == 1
+    del x
+    gc.collect()
+    assert a.alloc((2, 100, 256), torch.float32) is None   # lent: still held
+    got = front.view(ref)
+    assert torch.equal(got, want)
+    got[0, 0] = 1.0                                        # writable: the user's
+    del got
+    gc.collect()
+    z = a.alloc((2, 100, 256), torch.float32)              # released: reused
+    assert z is not None
+    del y, z
+    gc.collect()
+    assert a.stats()["arena_used_bytes"] == 0 and a._free == [(A.HEADER, a.size - A.HEADER)]   # merged
+
+    # Through the wire: large per-request rows travel as references, small ones as bytes.
+    rows = a.alloc((4, 200, 64), torch.float32)
+    rows.copy_(torch.randn_like(rows))
+    parts = [({"req_id": str(j)}, {"g1-2": rows[2 * j:2 * j + 2], "g1-2.pos": torch.arange(200)})
+             for j in range(2)]
+    wire = batch_to_wire(parts, None, None, a)
+    from vllm_hook.delivery import store
+    store.arena_mod.FRONTEND, saved = front, store.arena_mod.FRONTEND
+    try:
+        out = parse_batch(wire["blob"], "model")
+    finally:
+        store.arena_mod.FRONTEND = saved
+    assert a.stats()["arena_pieces_out"] == 2
+    for j, (pts, meta) in enumerate(out):
+        assert meta["_owned"] and torch.equal(pts[2][1], rows[2 * j + 1])
+    del out, pts, meta, rows, parts
+    gc.collect()
+    assert a.stats()["arena_used_bytes"] == 0
+
+
+def test_frontend_maps_only_an_arena_it_can_verify():
+    from vllm_hook.delivery import arena as A
+
+    a = A.Arena(1 << 20, torch.device("cpu"))
+    front = A.FrontendArenas()
+    front.adopt({**a.offer(), "token": "00" * A.TOKEN_BYTES})     # not that file's token
+    front.adopt({**a.offer(), "pid": 1 << 30})                      # no such process
+    assert front.tokens() == []

@@ -7,7 +7,9 @@ overwrite the pools only after the copies, by stream order. On the CPU the pools
 host memory: copy now. Besides pool rows, a step may deliver tensors computed after the
 forward (attention weights): `extras`.
 
-A large step (a prompt's rows) stays in its pinned buffer until the results are fetched,
+A step of 64 KiB and more (a prompt's rows) is copied into the worker's shared arena
+(`arena`) when it has room: its rows stay there, and a fetch lends them to the frontend. Else
+a large step stays in its pinned buffer until the results are fetched,
 instead of being copied out: a copy into fresh host memory costs page faults, and the fetch
 can write the file it sends from pinned memory as well as from any. Pinned memory is locked
 RAM, so this holds at most KEEP_PINNED_BYTES at a time; beyond it, and for the small blocks of
@@ -25,6 +27,7 @@ from typing import Callable
 import torch
 
 from ..routing import Segment, StepRouting
+from .arena import MIN_BLOCK_BYTES, Arena, make_arena
 from .hostmem import copy_many, host_empty
 from .runs import DecodeRun
 
@@ -37,10 +40,13 @@ KEEP_PINNED_BYTES = min(4 << 30, max(1 << 30, os.sysconf("SC_PHYS_PAGES") * os.s
 
 
 class Collector:
-    def __init__(self, pools: list[torch.Tensor | None], deliver: Deliver):
+    def __init__(self, pools: list[torch.Tensor | None], deliver: Deliver, arena_bytes: int = 0):
         self.pools = pools
         self.deliver = deliver
-        self.on_device = next(p for p in pools if p is not None).device.type != "cpu"
+        self.device = next(p for p in pools if p is not None).device
+        self.on_device = self.device.type != "cpu"
+        self._arena_bytes = arena_bytes      # the arena is made at the first large step
+        self.arena: Arena | None = None
         self._pending: deque = deque()      # DecodeRun, or (event, hosts, segments, extras)
         self._run: DecodeRun | None = None  # the open run, last in _pending
         self.bytes_copied = 0
@@ -69,9 +75,10 @@ class Collector:
         if not routing.segments and not extras:
             return
         hosts: dict[int, torch.Tensor] = {}
-        for pid, n in routing.pool_used.items():
-            if n:
-                hosts[pid] = self._to_host(self.pools[pid][:n])
+        blocks = {pid: self.pools[pid][:n] for pid, n in routing.pool_used.items() if n}
+        arena = self._arena_for(sum(b.numel() * b.element_size() for b in blocks.values()))
+        for pid, block in blocks.items():
+            hosts[pid] = self._to_host(block, arena)
         extra_hosts = [(seg, self._to_host(t)) for seg, t in extras]
         if not self.on_device:
             self.drain()        # a closed run first: its steps came before this one
@@ -81,8 +88,25 @@ class Collector:
         event.record()
         self._pending.append((event, hosts, routing.segments, extra_hosts))
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+    def _arena_for(self, nbytes: int) -> Arena | None:
+        """The arena, for a step of `nbytes` worth placing there (made at the first one)."""
+        if nbytes < MIN_BLOCK_BYTES or not self._arena_bytes:
+            return None
+        if self.arena is None:
+            self.arena = make_arena(self._arena_bytes, self.device)
+            if self.arena is None:
+                self._arena_bytes = 0      # refused once (logged): not tried again
+        return self.arena
+
+    def _to_host(self, t: torch.Tensor, arena: Arena | None = None) -> torch.Tensor:
         self.bytes_copied += t.numel() * t.element_size()
+        host = arena.alloc(t.shape, t.dtype) if arena is not None else None
+        if host is not None:
+            if self.on_device:
+                host.copy_(t, non_blocking=True)     # page-locked: asynchronous
+            else:
+                copy_many([(host, t)])
+            return host
         if not self.on_device:
             host = host_empty(t.shape, t.dtype)
             copy_many([(host, t)])
@@ -118,6 +142,8 @@ class Collector:
 
     def _keep_or_copy(self, hosts: dict[int, torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
         """Each segment's rows: views of the pinned block (kept), or copied out of it."""
+        if self.arena is not None and all(self.arena.holds(h) for h in hosts.values()):
+            return _slices(hosts, segments)      # the arena's blocks: views, lent at fetch
         size = sum(h.numel() * h.element_size() for h in hosts.values())
         large = size >= KEEP_PINNED_MIN
         if large and self.pinned_kept + size <= KEEP_PINNED_BYTES:

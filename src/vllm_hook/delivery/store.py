@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
+from . import arena as arena_mod
 from . import spill as spill_mod
 from .hostmem import host_empty
 
@@ -162,13 +163,15 @@ def _axis(name: str) -> int:
 
 
 def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict | None,
-                  common: dict | None = None) -> dict[str, Any]:
+                  common: dict | None = None, arena: Any = None) -> dict[str, Any]:
     """Several requests' results as one safetensors payload: one file (or one blob) per fetch,
     not per request. Small tensors of the same name, dtype and shape but their rows (a
     last-token capture of 4 layers is 2 of them per request: rows and positions) are
     concatenated across requests into one, each request's rows recorded in its metadata
     (`_packed`: name -> [first row, rows]); larger ones keep their own entry ("{j}/{name}"),
-    written straight from where they are. `common`: metadata every request shares, sent once.
+    written straight from where they are, or, when they lie in `arena` (`delivery.arena`,
+    lending to this frontend), sent as references to it (body "arena": name -> reference).
+    `common`: metadata every request shares, sent once.
     At 256 requests, per-tensor and per-file work was most of a small capture's delivery cost."""
     groups: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for j, (_, ts) in enumerate(parts):
@@ -176,6 +179,7 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
             groups.setdefault(name, []).append((j, t))
     tensors: dict[str, torch.Tensor] = {}
     packed: list[dict[str, list[int]]] = [{} for _ in parts]
+    refs: dict[str, dict] = {}
     for name, items in groups.items():
         first, ax = items[0][1], _axis(name)
         rest = (first.shape[:ax], first.shape[ax + 1:])
@@ -188,8 +192,15 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
                 packed[j][name] = [at, n]
                 at += n
         else:
-            tensors.update({f"{j}/{name}": t for j, t in items})
+            for j, t in items:
+                ref = arena.lend(t) if arena is not None and t.numel() * t.element_size() >= PACK_BELOW else None
+                if ref is None:
+                    tensors[f"{j}/{name}"] = t
+                else:
+                    refs[f"{j}/{name}"] = ref
     body = {"batch": [{**m, "_packed": pk} for (m, _), pk in zip(parts, packed)]}
+    if refs:
+        body["arena"] = refs
     if common:
         body["common"] = common
     meta = {"vllm_hook": json.dumps(body)}
@@ -234,6 +245,12 @@ def parse_batch(buf: Any, dtype: str | None = None) -> list[tuple[dict[int, tupl
     metas = meta["batch"] if "batch" in meta else [meta]
     common = meta.get("common") or {}
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in metas]
+    # Pieces lent from a worker's arena first: each is released when its last view is freed,
+    # so every one must get its view whatever fails later.
+    lent = {full: arena_mod.FRONTEND.view(ref) for full, ref in (meta.get("arena") or {}).items()}
+    for full, t in lent.items():
+        j, _, name = full.rpartition("/")
+        tensors[int(j)][name] = t
     shared: dict[str, torch.Tensor] = {}          # packed across the batch's requests
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # bytes are read-only: those views are only read
@@ -286,8 +303,12 @@ def parse_batch(buf: Any, dtype: str | None = None) -> list[tuple[dict[int, tupl
         for k, j in enumerate(js):
             pieces[j][name] = [pp[k] for pp in per_point]
     out = []
-    for m, ts, got in zip(metas, tensors, pieces):
+    owned_rows = {int(full.rpartition("/")[0]) for full in lent}
+    for j, (m, ts, got) in enumerate(zip(metas, tensors, pieces)):
         m.pop("_packed", None)
+        if j in owned_rows and all(t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+                                   for name, t in ts.items() if _group_points(name) is not None):
+            m["_owned"] = True      # its rows are lent pieces: writable, the user's
         fresh: set[int] = set()
         pts, other = {}, {}
         for name, piece in got.items():

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..delivery.arena import FRONTEND as ARENAS
 from ..delivery.nogc import no_gc
 from ..delivery.spill import open_entry, spill_target
 from ..delivery.store import parse_batch
@@ -22,8 +23,9 @@ log = logging.getLogger("vllm_hook")
 
 
 def fetch_args(st: FrontendState, keys: list[str]) -> tuple:
-    """The RPC arguments that fetch (and forget) the workers' results of `keys`."""
-    return ("fetch", keys, spill_target(st.cfg.result_spill_dir))
+    """The RPC arguments that fetch (and forget) the workers' results of `keys`: where to
+    spill, and the workers' arenas this process has mapped (they may lend from those)."""
+    return ("fetch", keys, spill_target(st.cfg.result_spill_dir), ARENAS.tokens())
 
 
 def checked(replies: Sequence[Any]) -> Sequence[Any]:
@@ -40,6 +42,7 @@ def merge_ranks(replies: Sequence[Any]) -> dict[str, list[dict]]:
     merged: dict[str, list[dict]] = {}
     for reply in checked(replies):
         reply = reply or {}
+        ARENAS.adopt(reply.get("arena"))       # offered: lent from at the next fetch
         payload = reply.get("batch")
         for key, entries in (reply.get("entries") or {}).items():
             merged.setdefault(key, []).extend({**e, "payload": payload} for e in entries)
@@ -65,7 +68,7 @@ class Opened:
         if parts is None:
             parts = self._parsed[(id(payload), dtype)] = parse_batch(buf, dtype)
         points, meta = parts[entry["j"]]
-        return points, meta, isinstance(buf, torch.Tensor)
+        return points, meta, isinstance(buf, torch.Tensor) or bool(meta.get("_owned"))
 
 
 def child_index(req_id: str, n: int) -> int:

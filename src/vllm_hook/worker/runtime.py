@@ -138,7 +138,7 @@ class HookRuntime:
         self.attn_layers = attn_layers or []
         self.tables = DeviceTables(bufs)
         self.staging = _Staging(bufs)
-        self.collector = Collector(bufs.pools, self._deliver)
+        self.collector = Collector(bufs.pools, self._deliver, arena_bytes=cfg.arena_bytes())
         self.budget = Budget(cfg.capture_limits()[1])     # unfetched captures, all requests
         self.requests: dict[str, HookRequest] = {}     # admitted, not yet finished
         self.active: dict[str, HookRequest] = {}       # may still be routed
@@ -598,14 +598,16 @@ class HookRuntime:
                     self.done.pop(rid, None)
                     yield rid, req, store
 
-    def fetch(self, keys: list[str], spill: dict | None = None) -> dict[str, Any]:
+    def fetch(self, keys: list[str], spill: dict | None = None, arenas: list[str] = ()) -> dict[str, Any]:
         """Results of every request with one of `keys`, as one safetensors payload (bytes,
         or a file in `spill`'s directory when the frontend shares it, `delivery.spill`):
-        {"batch": payload, "entries": {key: [{"req_id", "j"}]}}, j the request's part."""
+        {"batch": payload, "entries": {key: [{"req_id", "j"}]}}, j the request's part.
+        Rows in this worker's arena are lent when the frontend has mapped it (its token in
+        `arenas`); else the reply offers the arena ("arena")."""
         with no_gc():
-            return self._fetch(keys, spill)
+            return self._fetch(keys, spill, arenas)
 
-    def _fetch(self, keys: list[str], spill: dict | None) -> dict[str, Any]:
+    def _fetch(self, keys: list[str], spill: dict | None, arenas: list[str] = ()) -> dict[str, Any]:
         t0 = time.perf_counter()
         entries: dict[str, list[dict]] = {k: [] for k in keys}
         parts = []
@@ -624,11 +626,16 @@ class HookRuntime:
                 entries[k].append({"req_id": k, "j": len(parts)})
                 parts.append(({"req_id": k, "errors": [self._off_message()], "rank": self.rank}, {}))
         t1 = time.perf_counter()
-        payload = batch_to_wire(parts, spill, common) if parts else None
+        arena = self.collector.arena
+        lends = arena is not None and arena.token.hex() in (arenas or ())
+        payload = batch_to_wire(parts, spill, common, arena if lends else None) if parts else None
         self.timing["write_s"] += time.perf_counter() - t1
         self.timing["fetches"] += 1
         self.timing["fetch_s"] += time.perf_counter() - t0
-        return {"batch": payload, "entries": entries}
+        reply = {"batch": payload, "entries": entries}
+        if arena is not None and not lends:
+            reply["arena"] = arena.offer()
+        return reply
 
     def _hook_tensors(self, req: HookRequest, meta: dict) -> dict[str, torch.Tensor]:
         """The request's hook results: their tensors, and their structure into `meta`."""
@@ -705,4 +712,5 @@ class HookRuntime:
             "persistent_hooks": len(self.hooks.persistent) if self.hooks else 0,
             "persistent_hook_results": len(self.hooks.persistent_results) if self.hooks else 0,
             "timing": {**self.timing, **(self.hooks.timing if self.hooks else {})},
+            **(self.collector.arena.stats() if self.collector.arena is not None else {}),
         }
