@@ -126,13 +126,15 @@ def test_large_captures_are_lent_from_the_workers_arena_and_released(llm):
     ids = [ids_of(llm, " ".join(PROMPTS * 2))[:200]] * 2
     spec = {"capture": [{"layers": "all", "tokens": "all", "site": s} for s in ("resid_post", "attn_out")],
             "dtype": "model"}
-    rounds, lent = [], []
-    for _ in range(3):
+    rounds, lent = [], [0]
+    for _ in range(12):          # the arena is made on a thread of its own at the first such step
         outs = run(llm, ids, [sp(spec, max_tokens=1)] * 2)
         rounds.append([res(o) for o in outs])
         lent.append(vllm_hook.stats(llm).get("arena_pieces_lent", 0))
-    assert lent[0] >= 0 and lent[2] > lent[1] > lent[0], lent       # lent from the second fetch on
-    first, last = rounds[0], rounds[2]
+        if lent[-1] > lent[-2] > 0:
+            break
+    assert lent[1] == 0 and lent[-1] > lent[-2] > 0, lent       # offered first, then lent
+    first, last = rounds[0], rounds[-1]
     for a, b in zip(first, last):
         assert a.ok and b.ok, (a.errors, b.errors)
         for site in ("resid_post", "attn_out"):

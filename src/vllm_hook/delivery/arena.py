@@ -67,7 +67,8 @@ class Arena:
             # pageable memory waits for the stream).
             base = np.frombuffer(self._map, dtype=np.uint8)
             ptr = base.__array_interface__["data"][0]
-            err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
+            with torch.cuda.device(device):          # this may run on a thread of its own
+                err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
             del base
             if int(err) != 0:
                 self.close()

@@ -164,7 +164,10 @@ def write_spilled(tensors: dict[str, torch.Tensor], metadata: dict[str, str], di
             if capacity is None or capacity < size:
                 write_new(fd, parts)        # fresh pages: the kernel's copy beats mapping them
             else:
-                write_mapped(fd, size, parts)
+                # Only the bytes written are mapped: a reused file may be far larger than this
+                # result (the pad covers the rest), and mapping all of it cost 100 ms for a
+                # 1.4 GB file holding a few KiB (H200 host).
+                write_mapped(fd, offset, parts)
         finally:
             os.close(fd)
         os.utime(path)
