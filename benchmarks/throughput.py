@@ -53,14 +53,14 @@ def run_case(native, plugin, name, spec_of, n, plen, gen, reps) -> dict:
     rows = []
     before = counters(plugin)
     for rep in range(reps):
-        tn = timed(native, n, plen, gen, None, rep)
+        tn = timed(native, n, plen, gen, None, rep) if native is not None else None
         if rep % 2:
             tu = timed(plugin, n, plen, gen, None, rep)
             th = timed(plugin, n, plen, gen, specs, rep)
         else:
             th = timed(plugin, n, plen, gen, specs, rep)
             tu = timed(plugin, n, plen, gen, None, rep)
-        rows.append({"native_s": tn, "unhooked_s": tu, "hooked_s": th})
+        rows.append({"native_s": tn if tn is not None else tu, "unhooked_s": tu, "hooked_s": th})
     after = counters(plugin)
     hooked_requests = n * reps
     stages = {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / hooked_requests for k, label in STAGES.items()}
@@ -113,6 +113,10 @@ def main() -> None:
                                                         "capture_last_prompt_4_layers", "capture_all_tokens_4_layers",
                                                         "mixed_thirds"])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--plugin-config", type=json.loads, default={},
+                    help='more vllm_hook settings for the plugin engine, JSON (e.g. \'{"result_arena_bytes": 0}\')')
+    ap.add_argument("--no-native", action="store_true",
+                    help="no native engine (\"vs native\" then reads the plugin engine unhooked)")
     ap.add_argument("--gpu-mem", type=float, default=0.35)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     args = ap.parse_args()
@@ -132,10 +136,11 @@ def main() -> None:
 
     engines = {}
     try:
-        for name, native, extra in (("native", True, {}),
+        plugin_cfg = {"capture_pool_rows": 1 << 19, **args.plugin_config}
+        for name, native, extra in ((("native", True, {}),) if not args.no_native else ()) + (
                                     # every layer of a full 16,384-token step: 458,752 rows (run 40
                                     # stopped at 1 << 17)
-                                    ("plugin", False, {"additional_config": {"vllm_hook": {"capture_pool_rows": 1 << 19}}})):
+                                    ("plugin", False, {"additional_config": {"vllm_hook": plugin_cfg}}),):
             w, info = start(name, model, {**base, **extra}, out, native=native)
             engines[name] = w
             result["startup"][name] = {k: v for k, v in info.items() if k != "stats"}
@@ -144,12 +149,12 @@ def main() -> None:
             n, rest = b.split("x")
             plen, gen = rest.split("+")
             for name in args.workloads:
-                result["cases"].append(run_case(engines["native"], engines["plugin"], name, wl[name],
+                result["cases"].append(run_case(engines.get("native"), engines["plugin"], name, wl[name],
                                                 int(n), int(plen), int(gen), args.reps))
                 save()
         n, plen = big
         for name in () if args.no_big else BIG:
-            result["cases"].append(run_case(engines["native"], engines["plugin"], name, wl[name], n, plen, 1,
+            result["cases"].append(run_case(engines.get("native"), engines["plugin"], name, wl[name], n, plen, 1,
                                             args.reps))
             save()
     finally:

@@ -125,8 +125,9 @@ class HookConfig(BaseModel):
         description="A worker's shared result arena: captured blocks of 64 KiB and more (a "
         "prompt's rows) are copied from the device straight into it (page-locked once) and "
         "reach a frontend on the same host without another copy; its results view the arena "
-        "until they are freed. When full, or 0, results are written per fetch instead. "
-        "Default: 1/16 of the host's memory, from 1 to 4 GiB (docs/architecture.md, delivery).",
+        "until they are freed. When full, or 0, results are written per fetch instead. Made "
+        "when the engine starts. Default: 1/16 of the host's memory over its GPUs, from 1 to "
+        "4 GiB per worker (docs/architecture.md, delivery).",
     )
     max_capture_bytes_per_request: int | None = Field(
         default=None, ge=1,
@@ -202,7 +203,7 @@ class HookConfig(BaseModel):
         """Size of each worker's shared result arena (0: none)."""
         if self.result_arena_bytes is not None:
             return self.result_arena_bytes
-        return min(4 << 30, max(1 << 30, host_memory_bytes() // 16))
+        return min(4 << 30, max(1 << 30, host_memory_bytes() // 16 // _local_devices()))
 
     def layers_of(self, value, num_layers: int) -> set[int]:
         if value is None:
@@ -244,3 +245,13 @@ class HookConfig(BaseModel):
     def stamp(self) -> dict:
         """Plain dict for ``additional_config`` (hashed by vLLM into its compile-cache key)."""
         return self.model_dump(mode="json")
+
+
+def _local_devices() -> int:
+    """GPUs on this host (1 without any): each may run a worker with its own arena."""
+    try:
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    except Exception:
+        return 1

@@ -20,7 +20,6 @@ one routing are gathered per run (`runs.DecodeRun`), not handed over step by ste
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from collections import deque
 from typing import Callable
@@ -46,9 +45,9 @@ class Collector:
         self.deliver = deliver
         self.device = next(p for p in pools if p is not None).device
         self.on_device = self.device.type != "cpu"
-        self._arena_bytes = arena_bytes      # the arena is made at the first large step
-        self.arena: Arena | None = None
-        self._making: tuple | None = None    # (thread, [arena]) while it is being made
+        # Made now, not at the first large step: page-locking 4 GiB took 2.4 s on the H200
+        # host, and the engine's steps stalled for it even on a thread of its own (run 51).
+        self.arena: Arena | None = make_arena(arena_bytes, self.device) if arena_bytes else None
         self._pending: deque = deque()      # DecodeRun, or (event, hosts, segments, extras)
         self._run: DecodeRun | None = None  # the open run, last in _pending
         self.bytes_copied = 0
@@ -91,25 +90,8 @@ class Collector:
         self._pending.append((event, hosts, routing.segments, extra_hosts))
 
     def _arena_for(self, nbytes: int) -> Arena | None:
-        """The arena, for a step of `nbytes` worth placing there. The first such step starts
-        making it on a thread of its own (4 GiB took seconds to allocate and page-lock on the
-        H200 host: no step waits for that); steps use it once it is ready."""
-        if nbytes < MIN_BLOCK_BYTES or not self._arena_bytes:
-            return None
-        if self.arena is None:
-            if self._making is None:
-                made: list = []
-                self._making = (threading.Thread(target=lambda: made.append(make_arena(self._arena_bytes, self.device)),
-                                                 name="vllm_hook_arena", daemon=True), made)
-                self._making[0].start()
-                return None
-            thread, made = self._making
-            if thread.is_alive():
-                return None
-            self.arena = made[0] if made else None
-            if self.arena is None:
-                self._arena_bytes = 0      # refused (logged): not tried again
-        return self.arena
+        """The arena, for a step of `nbytes` worth placing there."""
+        return self.arena if nbytes >= MIN_BLOCK_BYTES else None
 
     def _to_host(self, t: torch.Tensor, arena: Arena | None = None) -> torch.Tensor:
         self.bytes_copied += t.numel() * t.element_size()
