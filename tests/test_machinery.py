@@ -6,6 +6,8 @@ run alone), not just the absence of errors.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -25,10 +27,13 @@ ALL_SITES = [{"layers": "all", "site": s} for s in ("resid_post", "resid_pre", "
 
 @pytest.fixture
 def llm(engines):
-    # Tiny token budget: every prompt is prefilled in 16-token chunks. Prefix caching on.
+    # Tiny token budget: every prompt is prefilled in 16-token chunks. Prefix caching on. A
+    # result arena of two 16-token blocks of every site and layer: the later chunks of a
+    # prompt find it full and take the pinned-or-copied path, so a request's rows mix both.
     return engines.get("qwen2-chunked", arch="qwen2", max_num_batched_tokens=16, max_num_seqs=8,
                        enable_prefix_caching=True, block_size=32,
-                       additional_config={"vllm_hook": {"capture_pool_rows": 1024}})
+                       additional_config={"vllm_hook": {"capture_pool_rows": 1024,
+                                                        "result_arena_bytes": 256 << 10}})
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +228,11 @@ def test_abort_leaves_nothing_behind(small_kv):
         r = res(done[rid])
         assert r.activations["resid_post"][0].shape[0] == len(ids) + 40 - 1
     run(llm, [ids], [sp(None, max_tokens=2)])   # one more step delivers the finished/aborted ids
+    del done, finished, r
+    gc.collect()
     s = vllm_hook.stats(llm)
     assert (s["admitted"], s["active"], s["results_waiting"], s["retained_bytes"],
             s["vectors_in_use"], s["ops_in_use"]) == (0, 0, 0, 0, 0, 0), s
+    assert (s["arena_used_bytes"], s["arena_pieces_out"]) == (0, 0), s    # the prompt's block too
     assert not st.pending
 

@@ -186,3 +186,34 @@ def test_frontend_maps_only_an_arena_it_can_verify():
     front.adopt({**a.offer(), "token": "00" * A.TOKEN_BYTES})     # not that file's token
     front.adopt({**a.offer(), "pid": 1 << 30})                      # no such process
     assert front.tokens() == []
+
+
+def test_collector_falls_back_when_the_arena_is_full():
+    """Steps of 64 KiB and more go to the arena while it has room, then the pinned-or-copied
+    path; every segment's rows equal the pool's either way, and the arena's ranges come back
+    when the rows are dropped."""
+    import gc
+
+    import numpy as np
+
+    from vllm_hook.delivery.arena import HEADER
+    from vllm_hook.delivery.collector import Collector
+    from vllm_hook.routing import Segment, StepRouting
+
+    pool = torch.randn(4096, 64)
+    got = []
+    # kept as a store keeps them; room for one step (300 rows x 2 requests x 64 floats)
+    c = Collector([pool], lambda seg, rows: got.append((seg, rows, c.arena.holds(rows))),
+                  arena_bytes=160 << 10)
+    for step in range(4):
+        pool.normal_()
+        want = pool[:600].clone()
+        segs = [Segment(owner=i, points=(0, 1), pool_start=300 * i, positions=np.arange(150) + 150 * step,
+                        last_only=False) for i in range(2)]
+        c.after_forward(StepRouting(segments=segs, pool_used={0: 600}))
+        for seg, rows, _ in got[-2:]:
+            assert torch.equal(rows, want[seg.pool_start:seg.pool_start + 300])
+    assert [h for _, _, h in got] == [True, True, False, False, False, False, False, False]
+    got.clear()
+    gc.collect()
+    assert c.arena.stats()["arena_used_bytes"] == 0 and c.arena._free == [(HEADER, c.arena.size - HEADER)]
