@@ -4,6 +4,7 @@ its own payload gives, bit for bit, whatever is packed and whatever keeps its ow
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_hook.config import HookConfig
@@ -124,7 +125,7 @@ def test_served_requests_finishing_together_share_one_fetch():
     assert st.timing["fetches"] == 3
 
 
-def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go():
+def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go(monkeypatch):
     """`delivery.arena`: a block's range is free again only when the worker's views died and
     every piece lent from it was released by the frontend; freed neighbours merge; a full
     arena answers None (the caller copies instead); a lent piece reads the same bytes."""
@@ -164,18 +165,40 @@ def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go():
     parts = [({"req_id": str(j)}, {"g1-2": rows[2 * j:2 * j + 2], "g1-2.pos": torch.arange(200)})
              for j in range(2)]
     wire = batch_to_wire(parts, None, None, a)
-    from vllm_hook.delivery import store
-    store.arena_mod.FRONTEND, saved = front, store.arena_mod.FRONTEND
-    try:
-        out = parse_batch(wire["blob"], "model")
-    finally:
-        store.arena_mod.FRONTEND = saved
+    assert set(wire["lent"]) == {"0/g1-2", "1/g1-2"}
+    views = front.views(wire["lent"])
+    out = parse_batch(wire["blob"], "model", views)
+    again = parse_batch(wire["blob"], "float32", front.views(wire["lent"]))   # a second parse
     assert a.stats()["arena_pieces_out"] == 2
     for j, (pts, meta) in enumerate(out):
         assert meta["_owned"] and torch.equal(pts[2][1], rows[2 * j + 1])
-    del out, pts, meta, rows, parts
+    keep = out[0][0][2][1]
+    del out, pts, meta, rows, parts, views, again
+    gc.collect()
+    assert a.stats()["arena_pieces_out"] == 1      # the one piece a result still views
+    del keep
     gc.collect()
     assert a.stats()["arena_used_bytes"] == 0
+
+    # A reply that is never parsed (a failed rank, a cancelled fetch): its views go with it.
+    rows = a.alloc((2, 300, 64), torch.float32)
+    wire = batch_to_wire([({"req_id": "0"}, {"g1": rows})], None, None, a)
+    wire["views"] = front.views(wire["lent"])
+    del rows, wire
+    gc.collect()
+    assert a.stats()["arena_used_bytes"] == 0
+
+    # A reply whose write fails keeps nothing lent.
+    rows = a.alloc((2, 300, 64), torch.float32)
+    from vllm_hook.delivery import store
+
+    def boom(*args, **kwargs):
+        raise OSError("no memory for the reply")
+
+    monkeypatch.setattr(store, "st_save", boom)
+    with pytest.raises(OSError):
+        batch_to_wire([({"req_id": "0"}, {"g1": rows})], None, None, a)
+    assert a.stats()["arena_pieces_out"] == 0
 
 
 def test_frontend_maps_only_an_arena_it_can_verify():
@@ -185,6 +208,16 @@ def test_frontend_maps_only_an_arena_it_can_verify():
     front = A.FrontendArenas()
     front.adopt({**a.offer(), "token": "00" * A.TOKEN_BYTES})     # not that file's token
     front.adopt({**a.offer(), "pid": 1 << 30})                      # no such process
+    assert front.tokens() == []
+    b = A.Arena(1 << 20, torch.device("cpu"))
+    front.adopt({**b.offer(), "boot_id": "another host"})
+    assert front.tokens() == []
+    front = A.FrontendArenas()
+    front.adopt(b.offer())
+    assert front.tokens() == [b.token.hex()]
+    del b                                   # an in-process engine shut down: its fd is closed
+    import gc
+    gc.collect()
     assert front.tokens() == []
 
 

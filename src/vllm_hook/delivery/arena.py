@@ -7,20 +7,23 @@ the device copies a step's rows straight into this arena (anonymous shared memor
 for the device once, when it is made), and a fetch sends each request's place in it
 (`lend`) instead of its bytes; the frontend maps the arena once and its results view it.
 
-Lifetimes. A block (one step's rows of one pool) is held by the worker while a store views it
-and by the frontend while results view a piece lent from it; its range is reused only when
-both are done. The frontend's side is a flag byte per lent piece in the arena's header: set
-by the worker when it lends the piece, cleared by the frontend when the last view of the
-piece is freed (`FrontendArenas`), read by the worker when it needs room (`reclaim`). Results
-a user keeps hold their range; when the arena is full, steps use the pinned or copied path
-as before (nothing is lost, it is only slower).
+Lifetimes. A block (one step's rows of one pool, every request's in that step) is held by
+the worker while a store views it and by the frontend while results view a piece lent from it;
+its range is reused only when both are done. The frontend's side is a flag byte per lent piece
+in the arena's header: set by the worker when it lends the piece, cleared by the frontend when
+the last view of the piece is freed (`FrontendArenas`), read by the worker when it needs room
+(`reclaim`). The frontend views a reply's pieces as soon as the reply arrives, so a reply that
+is never parsed (a failed rank, a cancelled fetch) gives them back when it is dropped. Results
+a user keeps hold their step's whole block; when the arena is full, steps use the pinned or
+copied path as before (nothing is lost, it is only slower). A reply lost between the processes
+keeps its pieces out until the worker exits.
 
 Who may map it: the frontend opens `/proc/{pid}/fd/{fd}` of the worker (the file has no
-name, so nothing is left behind when a process dies) and checks the arena's random token. A
-worker lends pieces only to a frontend that says it has mapped this arena (its token in the
-fetch's spill target); the first fetch after the arena is made offers it instead
-(`offer`), so a frontend that cannot map it (another host or pid namespace) never gets a
-reference it cannot read.
+name, so nothing is left behind when a process dies) after checking the host's boot id, and
+checks the arena's random token. A worker lends pieces only to a frontend that says it has
+mapped this arena (its token in the fetch's arguments); a fetch from one that has not offers
+the arena instead (`offer`), so a frontend that cannot map it (another host or pid
+namespace) never gets a reference it cannot read.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import bisect
 import logging
 import mmap
 import os
+import stat
 import uuid
 import weakref
 
@@ -61,19 +65,20 @@ class Arena:
             raise
         self._map[:TOKEN_BYTES] = self.token
         self.flags = np.frombuffer(self._map, dtype=np.uint8, count=SLOTS, offset=TOKEN_BYTES)
-        self.registered = False
+        self._ptr = np.frombuffer(self._map, dtype=np.uint8, count=1).__array_interface__["data"][0]
+        registered = False
         if device.type == "cuda":
             # Page-locked once, so every device copy into it is asynchronous (a copy into
             # pageable memory waits for the stream).
-            base = np.frombuffer(self._map, dtype=np.uint8)
-            ptr = base.__array_interface__["data"][0]
-            with torch.cuda.device(device):          # this may run on a thread of its own
-                err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
-            del base
+            with torch.cuda.device(device):
+                err = torch.cuda.cudart().cudaHostRegister(self._ptr, self.size, 0)
             if int(err) != 0:
-                self.close()
+                _clear_cuda_error()      # else torch's next launch check would raise it
+                os.close(self.fd)
                 raise OSError(f"cudaHostRegister of {self.size} bytes failed ({err})")
-            self.registered = True
+            registered = True
+        # Unregistered and closed when the arena is freed (an in-process engine shut down).
+        weakref.finalize(self, _close, self.fd, self._ptr if registered else None)
         self._free: list[tuple[int, int]] = [(HEADER, self.size - HEADER)]   # (offset, size), sorted
         self._blocks: dict[int, list[int]] = {}    # offset -> [size, worker views alive?, pieces lent]
         self._lent: dict[int, int] = {}            # slot -> block offset
@@ -163,15 +168,12 @@ class Arena:
         return off if end <= off + self._blocks[off][0] else None
 
     def _base_ptr(self) -> int:
-        if not hasattr(self, "_ptr"):
-            base = np.frombuffer(self._map, dtype=np.uint8, count=1)
-            self._ptr = base.__array_interface__["data"][0]
         return self._ptr
 
     def lend(self, t: torch.Tensor) -> dict | None:
         """A reference to contiguous `t` (in the arena) the frontend can view: its block stays
         until the frontend releases it. None when `t` is not in the arena or no flag is free."""
-        if not t.is_contiguous() or not self._slots:
+        if t.device.type != "cpu" or not t.is_contiguous() or not self._slots:
             return None
         off = self._block_of(t)
         if off is None:
@@ -185,6 +187,12 @@ class Arena:
         self.bytes_lent += n
         return {"token": self.token.hex(), "offset": t.data_ptr() - self._base_ptr(), "nbytes": n,
                 "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "slot": slot}
+
+    def unlend(self, refs) -> None:
+        """Take back pieces lent for a reply that will not be sent (its write failed)."""
+        for ref in refs:
+            self.flags[ref["slot"]] = FREE
+        self.reclaim()
 
     def reclaim(self) -> int:
         """Take back the pieces the frontend released; the number taken back."""
@@ -202,8 +210,9 @@ class Arena:
         return len(done)
 
     def offer(self) -> dict:
-        """What a frontend needs to map the arena."""
-        return {"pid": os.getpid(), "fd": self.fd, "token": self.token.hex(), "size": self.size}
+        """What a frontend needs to map the arena (and to know it is on the same host)."""
+        return {"pid": os.getpid(), "fd": self.fd, "token": self.token.hex(), "size": self.size,
+                "boot_id": _boot_id()}
 
     def stats(self) -> dict[str, int]:
         self.reclaim()
@@ -211,13 +220,40 @@ class Arena:
                 "arena_pieces_out": len(self._lent), "arena_pieces_lent": self.pieces_lent,
                 "arena_bytes_lent": self.bytes_lent}
 
-    def close(self) -> None:
-        if self.registered:
-            base = np.frombuffer(self._map, dtype=np.uint8)
-            torch.cuda.cudart().cudaHostUnregister(base.__array_interface__["data"][0])
-            del base
-            self.registered = False
-        os.close(self.fd)
+
+
+def _close(fd: int, registered_ptr: int | None) -> None:
+    if registered_ptr is not None:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(registered_ptr)
+        except Exception:        # interpreter shutdown: the process's exit frees it anyway
+            pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error (a failed cudaHostRegister leaves it set, and torch
+    reads it after its next kernel launch). Through the libcudart this process loaded."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            lib = next((line.split()[-1] for line in f if "libcudart" in line), None)
+        if lib:
+            ctypes.CDLL(lib).cudaGetLastError()
+    except OSError:
+        pass
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def make_arena(nbytes: int, device: torch.device) -> Arena | None:
@@ -237,19 +273,22 @@ class FrontendArenas:
     """The arenas this frontend has mapped, by token, and the views of their lent pieces."""
 
     def __init__(self):
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray, int]] = {}
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray, str, tuple[int, int]]] = {}
         self._refused: set[str] = set()
+        self._pieces: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def tokens(self) -> list[str]:
-        """The mapped arenas of live workers. A dead worker's is dropped here (not closed:
-        results may still view it; its memory goes with the last view)."""
-        for token, (_, _, pid) in list(self._maps.items()):
+        """The mapped arenas whose workers still hold them. One whose worker exited or freed
+        it is dropped here (not closed: results may still view it; its memory goes with the
+        last view)."""
+        for token, (_, _, path, ident) in list(self._maps.items()):
             try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+                st = os.stat(path)
+                alive = (st.st_dev, st.st_ino) == ident
+            except OSError:
+                alive = False
+            if not alive:
                 del self._maps[token]
-            except PermissionError:
-                pass
         return list(self._maps)
 
     def adopt(self, offer: dict | None) -> None:
@@ -260,9 +299,17 @@ class FrontendArenas:
         if token in self._maps or token in self._refused:
             return
         try:
-            fd = os.open(f"/proc/{int(offer['pid'])}/fd/{int(offer['fd'])}", os.O_RDWR)
+            if offer.get("boot_id") != _boot_id():
+                raise OSError("the worker runs on another host")
+            path = f"/proc/{int(offer['pid'])}/fd/{int(offer['fd'])}"
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != int(offer["size"]):
+                raise OSError("not the offered arena")
+            fd = os.open(path, os.O_RDWR)
             try:
-                m = mmap.mmap(fd, int(offer["size"]), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                # Not populated: mapping 4 GiB of page tables at once stalled the first fetch
+                # (half a second); pages map as results are read.
+                m = mmap.mmap(fd, int(offer["size"]), flags=mmap.MAP_SHARED,
                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
@@ -274,22 +321,31 @@ class FrontendArenas:
             self._refused.add(token)
             return
         self._maps[token] = (m, np.frombuffer(m, dtype=np.uint8, count=SLOTS, offset=TOKEN_BYTES),
-                             int(offer["pid"]))
+                             path, (st.st_dev, st.st_ino))
 
     def view(self, ref: dict) -> torch.Tensor:
         """The lent piece `ref` as a tensor (writable: the caller's to keep); released to the
-        worker when the last view of it is freed."""
-        m, flags, _ = self._maps[ref["token"]]
-        arr = np.frombuffer(m, dtype=np.uint8, count=ref["nbytes"], offset=ref["offset"])
-        weakref.finalize(arr, _release, flags, ref["slot"])
+        worker when the last view of it is freed. Every call for one piece views one base, so
+        the piece is released once, when the last of them goes."""
+        key = (ref["token"], ref["slot"])
+        arr = self._pieces.get(key)
+        if arr is None:
+            m, flags, _, _ = self._maps[ref["token"]]
+            arr = np.frombuffer(m, dtype=np.uint8, count=ref["nbytes"], offset=ref["offset"])
+            weakref.finalize(arr, _release, flags, ref["slot"])
+            self._pieces[key] = arr
         return torch.from_numpy(arr).view(getattr(torch, ref["dtype"])).view(ref["shape"])
 
-    def release_all(self, refs: list[dict]) -> None:
-        """Release pieces that will never be viewed (a payload that failed to parse)."""
-        for ref in refs:
-            got = self._maps.get(ref.get("token"))
-            if got is not None:
-                _release(got[1], ref["slot"])
+    def views(self, refs: dict[str, dict] | None) -> dict[str, torch.Tensor]:
+        """A reply's lent pieces, viewed as soon as it arrives: whatever becomes of the reply
+        (parsed, failed, dropped unread), each piece goes back when its views are freed."""
+        out = {}
+        for name, ref in (refs or {}).items():
+            try:
+                out[name] = self.view(ref)
+            except KeyError:     # an arena this frontend no longer holds: nothing to release
+                pass
+        return out
 
 
 def _release(flags: np.ndarray, slot: int) -> None:

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
-from . import arena as arena_mod
 from . import spill as spill_mod
 from .hostmem import host_empty
 
@@ -170,7 +169,8 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
     concatenated across requests into one, each request's rows recorded in its metadata
     (`_packed`: name -> [first row, rows]); larger ones keep their own entry ("{j}/{name}"),
     written straight from where they are, or, when they lie in `arena` (`delivery.arena`,
-    lending to this frontend), sent as references to it (body "arena": name -> reference).
+    lending to this frontend), sent as references to it ("lent": name -> reference, beside
+    the payload, so the frontend views them as the reply arrives, `FrontendArenas.views`).
     `common`: metadata every request shares, sent once.
     At 256 requests, per-tensor and per-file work was most of a small capture's delivery cost."""
     groups: dict[str, list[tuple[int, torch.Tensor]]] = {}
@@ -199,17 +199,21 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
                 else:
                     refs[f"{j}/{name}"] = ref
     body = {"batch": [{**m, "_packed": pk} for (m, _), pk in zip(parts, packed)]}
-    if refs:
-        body["arena"] = refs
     if common:
         body["common"] = common
     meta = {"vllm_hook": json.dumps(body)}
-    if spill_mod.sees(spill):
-        try:
-            return {"path": spill_mod.write_spilled(tensors, meta, spill["dir"])}
-        except OSError:     # full (a container's small /dev/shm) or vanished: use the RPC
-            pass
-    return {"blob": st_save(tensors, metadata=meta)}
+    extra = {"lent": refs} if refs else {}
+    try:
+        if spill_mod.sees(spill):
+            try:
+                return {"path": spill_mod.write_spilled(tensors, meta, spill["dir"]), **extra}
+            except OSError:     # full (a container's small /dev/shm) or vanished: use the RPC
+                pass
+        return {"blob": st_save(tensors, metadata=meta), **extra}
+    except BaseException:
+        if refs:
+            arena.unlend(refs.values())      # this reply is not sent: its pieces stay here
+        raise
 
 
 def _header(buf: Any) -> tuple[dict, int]:
@@ -231,13 +235,15 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
     return parse_batch(buf)[0]
 
 
-def parse_batch(buf: Any, dtype: str | None = None) -> list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]]:
+def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor] | None = None
+                ) -> list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]]:
     """Every request of a payload (`batch_to_wire`, or one `to_bytes`): (points, metadata).
 
     With `dtype` ("float32" or "model"), the rows packed across requests are converted (or
     copied out of read-only bytes) once for the whole payload; each request's rows are then
     views of that fresh block, listed in its metadata's `_fresh` (points): `results.build`
-    uses them as they are. Other rows are views of `buf`, as without `dtype`."""
+    uses them as they are. Other rows are views of `buf`, as without `dtype`. `lent`: the
+    payload's tensors lent from a worker's arena, already viewed ("{j}/{name}" -> tensor)."""
     export = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
     owned = isinstance(buf, torch.Tensor)
     header, data = _header(export)
@@ -245,9 +251,7 @@ def parse_batch(buf: Any, dtype: str | None = None) -> list[tuple[dict[int, tupl
     metas = meta["batch"] if "batch" in meta else [meta]
     common = meta.get("common") or {}
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in metas]
-    # Pieces lent from a worker's arena first: each is released when its last view is freed,
-    # so every one must get its view whatever fails later.
-    lent = {full: arena_mod.FRONTEND.view(ref) for full, ref in (meta.get("arena") or {}).items()}
+    lent = lent or {}
     for full, t in lent.items():
         j, _, name = full.rpartition("/")
         tensors[int(j)][name] = t

@@ -40,9 +40,16 @@ def merge_ranks(replies: Sequence[Any]) -> dict[str, list[dict]]:
     """collective_rpc returns one reply per worker (TP rank): rank 0 has the residual stream,
     every rank its shard of the attention heads. Each entry refers to its rank's payload."""
     merged: dict[str, list[dict]] = {}
+    for reply in replies:
+        if isinstance(reply, dict):
+            ARENAS.adopt(reply.get("arena"))       # offered: lent from at the next fetch
+            payload = reply.get("batch")
+            if isinstance(payload, dict) and payload.get("lent"):
+                # Viewed now: if anything below fails, the views die with the replies and
+                # the pieces go back to the worker.
+                payload["views"] = ARENAS.views(payload["lent"])
     for reply in checked(replies):
         reply = reply or {}
-        ARENAS.adopt(reply.get("arena"))       # offered: lent from at the next fetch
         payload = reply.get("batch")
         for key, entries in (reply.get("entries") or {}).items():
             merged.setdefault(key, []).extend({**e, "payload": payload} for e in entries)
@@ -66,7 +73,7 @@ class Opened:
         buf = got[1]
         parts = self._parsed.get((id(payload), dtype))
         if parts is None:
-            parts = self._parsed[(id(payload), dtype)] = parse_batch(buf, dtype)
+            parts = self._parsed[(id(payload), dtype)] = parse_batch(buf, dtype, payload.get("views"))
         points, meta = parts[entry["j"]]
         return points, meta, isinstance(buf, torch.Tensor) or bool(meta.get("_owned"))
 
