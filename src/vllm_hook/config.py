@@ -126,8 +126,8 @@ class HookConfig(BaseModel):
         "prompt's rows) are copied from the device straight into it (page-locked once) and "
         "reach a frontend on the same host without another copy; its results view the arena "
         "until they are freed. When full, or 0, results are written per fetch instead. Made "
-        "when the engine starts. Default: 1/16 of the host's memory over its GPUs, from 1 to "
-        "4 GiB per worker (docs/architecture.md, delivery).",
+        "when the engine starts (page-locked on a GPU host). Default: 1/16 of the host's memory "
+        "over its GPUs, from 1 to 4 GiB per worker (docs/architecture.md, delivery).",
     )
     max_capture_bytes_per_request: int | None = Field(
         default=None, ge=1,
