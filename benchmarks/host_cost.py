@@ -98,10 +98,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=1, help="decode steps of the whole batch after the prefill")
     ap.add_argument("--specs", nargs="+", default=list(SPECS), choices=list(SPECS))
+    ap.add_argument("--arena-bytes", type=int, help="the workers' result arena (default: the plugin's; 0: none)")
     ap.add_argument("--out")
     args = ap.parse_args()
     n = args.requests
-    cfg = HookConfig(capture_pool_rows=65536)
+    cfg = HookConfig(capture_pool_rows=65536, result_arena_bytes=args.arena_bytes)
     # Results travel as the engines send them: one file in shared memory per fetch.
     shm = tempfile.mkdtemp(prefix="vh_host_cost_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     spill = spill_target(shm)
