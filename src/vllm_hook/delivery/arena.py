@@ -160,7 +160,7 @@ class Arena:
         return t.device.type == "cpu" and self._block_of(t) is not None
 
     def _block_of(self, t: torch.Tensor) -> int | None:
-        start = t.data_ptr() - self._base_ptr()
+        start = t.data_ptr() - self._ptr
         if start < HEADER or start >= self.size:
             return None
         offs = sorted(self._blocks)     # few blocks (one per large step and pool)
@@ -170,9 +170,6 @@ class Arena:
         off = offs[i]
         end = start + t.numel() * t.element_size()
         return off if end <= off + self._blocks[off][0] else None
-
-    def _base_ptr(self) -> int:
-        return self._ptr
 
     def lend(self, t: torch.Tensor) -> dict | None:
         """A reference to contiguous `t` (in the arena) the frontend can view: its block stays
@@ -189,7 +186,7 @@ class Arena:
         n = t.numel() * t.element_size()
         self.pieces_lent += 1
         self.bytes_lent += n
-        return {"token": self.token.hex(), "offset": t.data_ptr() - self._base_ptr(), "nbytes": n,
+        return {"token": self.token.hex(), "offset": t.data_ptr() - self._ptr, "nbytes": n,
                 "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "slot": slot}
 
     def unlend(self, refs) -> None:
