@@ -116,3 +116,27 @@ def test_steady_steps_reuse_the_plan_and_move_positions():
     wh.run(2, hs, None)
     wh.run(3, hs, None)
     assert wh.timing["plans_reused"] == 2 and seen == [("one", "b", [23], [0.0]), ("many", ["b"], [[23]])]
+
+
+def test_a_repeated_step_reuses_the_plan_one_position_on():
+    """worker/repeat.py's steady decode: `advance` replays the last plan with every request
+    one position further, and there is nothing to advance after `forget`."""
+    wh = WorkerHooks(_Access(), 4, {2}, HookConfig(hook_layers="all"), 1e4)
+    seen = []
+
+    def fn(ctx, h):
+        seen.append([(c.request_id, c.positions.tolist()) for c in ctx.requests])
+
+    wh._built["d"] = Hook(fn, [1], batched=True)
+    reqs = [wh.for_request(rid, 4, [{"i": 0, "digest": "d"}], []) for rid in "ab"]
+    hs = torch.zeros(2, 4)
+    assert not wh.advance()                                   # nothing planned yet
+    wh.plan([(reqs[0], 0, 1, 10), (reqs[1], 1, 1, 20)])
+    wh.run(2, hs, None)
+    wh.clear_plan()
+    assert wh.advance()
+    wh.run(2, hs, None)
+    wh.clear_plan()
+    assert seen == [[("a", [10]), ("b", [20])], [("a", [11]), ("b", [21])]]
+    wh.forget()
+    assert not wh.advance()

@@ -1,5 +1,9 @@
 """What hooks save: RowLog pieces through encode/decode, and the logit lens's chunked top-k."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -111,6 +115,41 @@ def test_chunked_topk_logprobs_equal_the_plain_ones(v, k, chunks):
     assert torch.equal(ids, ref_ids)
     assert torch.allclose(lps, ref_lps, atol=1e-5)
     assert torch.allclose(lps, logits.log_softmax(-1).gather(1, ids), atol=1e-5)
+
+
+def test_triton_kernels_equal_the_plain_ones():
+    """The GPU path's kernels (`hooks/kernels.py`), run by Triton's interpreter on the
+    CPU (in a subprocess: the interpreter is chosen when the module is imported)."""
+    pytest.importorskip("triton")
+    code = """
+import torch
+from vllm_hook.hooks import kernels as tk
+for n, v, k in [(3, 5000, 5), (2, 2048, 1), (1, 9, 9), (2, 4097, 16), (0, 100, 3)]:
+    z = (torch.randn(n, v, generator=torch.Generator().manual_seed(v)) * 3).to(torch.bfloat16)
+    ids, lps = tk.topk_logprobs(z, k)
+    ref = z.float().log_softmax(-1).topk(k, -1)
+    zf = z.float()
+    assert ids.shape == lps.shape == (n, k) and ids.dtype == torch.int64 and lps.dtype == torch.float32
+    assert torch.equal(zf.gather(1, ids), zf.gather(1, ref.indices)), (n, v, k)     # ids up to ties
+    assert torch.allclose(lps, ref.values, atol=1e-5), (n, v, k)
+from vllm_hook.adapters.params import _direct_rms_norm
+class RMSNorm(torch.nn.Module):          # the attributes _direct_rms_norm reads of vLLM's
+    def __init__(self, w):
+        super().__init__()
+        self.weight, self.variance_epsilon = torch.nn.Parameter(w), 1e-6
+g = torch.Generator().manual_seed(0)
+x = (torch.randn(5, 300, generator=g) * 4).to(torch.bfloat16)
+for w in (torch.randn(300, generator=g).to(torch.bfloat16), torch.randn(300, generator=g)):
+    ref = _direct_rms_norm(RMSNorm(w))(x)              # torch's path (CPU)
+    got = tk._norm(x, w, 1e-6)
+    # Within 2 bf16 steps: the interpreter rounds to bf16 its own way (on the GPU the two
+    # paths agree to 1 step; docs/benchmarks.md, run 52).
+    assert got.dtype == x.dtype and torch.allclose(got.float(), ref.float(), rtol=2 ** -6, atol=1e-3)
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
 def test_chunk_count():

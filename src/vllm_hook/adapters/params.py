@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..hooks import kernels
+
 # Names that vLLM may hold under another one (tied embeddings share one tensor).
 _ALIASES = {"lm_head.weight": ("model.embed_tokens.weight",)}
 
@@ -82,12 +84,16 @@ def _direct_rms_norm(norm):
     cached: dict = {}
 
     def apply(h: torch.Tensor) -> torch.Tensor:
+        w = cached.get("w")
+        if w is None and weight is not None:     # Gemma scales by (1 + w), in fp32
+            w = cached["w"] = weight.detach().float() + 1.0 if gemma else weight.detach()
+        if w is not None and h.dim() == 2:
+            out = kernels.rms_norm(h, w, eps)     # one kernel on a GPU
+            if out is not None:
+                return out
         x = h.float()
         x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
-        if weight is not None:
-            w = cached.get("w")
-            if w is None:           # Gemma scales by (1 + w), in fp32
-                w = cached["w"] = weight.detach().float() + 1.0 if gemma else weight.detach()
+        if w is not None:
             x = x.to(w.dtype) * w
         return x.to(h.dtype)
 

@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from ..delivery.hostmem import upload
+from . import kernels
 from .context import BatchHookContext
 from .hook import Hook
 from .registry import operator_hook
@@ -22,7 +23,10 @@ def topk_logprobs(logits: torch.Tensor, k: int, chunks: int | None = None) -> tu
     H200 mostly idle (1.3 ms per layer at 64 rows of a 152k vocabulary, docs/benchmarks.md).
     The top k lie in the k chunks of largest maxima; each chunk's log-sum-exp comes from one
     log-softmax over the chunk (lse_c = z_0 - log_softmax(z)_0, in fp32), the row's from one
-    over the chunks' (lse = lse_c_0 - log_softmax(lse_c)_0)."""
+    over the chunks' (lse = lse_c_0 - log_softmax(lse_c)_0). With Triton and k <= 16, two
+    kernels instead (`kernels.py`)."""
+    if chunks is None and kernels.available(logits, k):
+        return kernels.topk_logprobs(logits, k)
     n, v = logits.shape
     c = chunks if chunks is not None else (_chunks(v, k) if logits.is_cuda else 1)
     if c <= 1:
@@ -89,11 +93,11 @@ def logit_lens(layers: list[int], k: int = 5, tokens: Literal["all", "last"] = "
         if ctx.num_layers and ctx.layer_idx != max(x % ctx.num_layers for x in layers):
             return None
         w = ctx.get_parameter("lm_head.weight")
-        # The layers whose calls held the same requests (all, unless one failed in between)
-        # share one product.
-        groups: dict[tuple, list] = {}
+        # The layers whose calls held the same requests share one product: the worker passes
+        # one list object to every layer of a step (a new one once a request failed between).
+        groups: dict[int, list] = {}
         for item in waiting:
-            groups.setdefault(tuple(map(id, item[2])), []).append(item)
+            groups.setdefault(id(item[2]), []).append(item)
         waiting.clear()
         for items in groups.values():
             x = torch.cat([it[1] for it in items]) if len(items) > 1 else items[0][1]

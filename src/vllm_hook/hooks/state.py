@@ -44,8 +44,15 @@ class CallLog:
 
     def rows(self, j: int) -> int:
         """Rows member j's calls have saved so far (counted once per call, when asked)."""
+        run, times = None, 0           # steady decode: one segments list, call after call
         for _, segs in self.calls[self._counted:]:
-            self._rows += np.fromiter((n for _, n in segs), dtype=np.int64, count=len(segs))
+            if segs is not run:
+                if times:
+                    self._rows += times * np.fromiter((n for _, n in run), dtype=np.int64, count=len(run))
+                run, times = segs, 0
+            times += 1
+        if times:
+            self._rows += times * np.fromiter((n for _, n in run), dtype=np.int64, count=len(run))
         self._counted = len(self.calls)
         return int(self._rows[j])
 

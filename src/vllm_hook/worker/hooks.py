@@ -14,7 +14,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import numpy as np
 import torch
@@ -41,10 +41,18 @@ class HookInstance:
     errors: list[str]                            # the request's error list
     failed: bool = False
     calls: int = 0
+    # Failures so far, of all instances: a step's groups look for failed members only when
+    # it moved (a scan of every member per call cost 64 checks per layer at 64 requests).
+    failures: ClassVar[int] = 0
+
+    def stop(self) -> None:
+        """Run no more (the request failed elsewhere; its error is recorded there)."""
+        self.failed = True
+        HookInstance.failures += 1
 
     def fail(self, msg: str) -> None:
         if not self.failed:
-            self.failed = True
+            self.stop()
             self.errors.append(f"{self.label}: {msg}; it runs no more for this request")
             log.warning("vllm_hook: request %s: %s: %s", self.ctx.request_id, self.label, msg)
 
@@ -74,7 +82,7 @@ class WorkerHooks:
         self.persistent_results: OrderedDict[str, list] = OrderedDict()
         self.persistent_dropped = 0
         self._plan: dict[int, list] | None = None
-        self._last: tuple[list, dict | None] | None = None     # the last plan and its entries
+        self._last: tuple | None = None     # (entries, plan, each entry's instances) of the last step
         # Per batched group (hook, points): its requests and CallLogs while they stay the same.
         self._epochs: dict[tuple, tuple] = {}
         self.timing = dict.fromkeys(("hook_calls", "hook_s", "hook_steps", "read_only_steps", "plans_reused"), 0.0)
@@ -141,12 +149,14 @@ class WorkerHooks:
         last = self._last
         if last is not None and len(last[0]) == len(entries) and all(
                 a[0] is b[0] and a[1] == b[1] and a[2] == b[2] for a, b in zip(last[0], entries)):
-            for rh, _, _, first in entries:
-                for inst in rh.all:
+            for (_, _, _, first), insts in zip(entries, last[2]):
+                for inst in insts:
                     if not inst.failed:
-                        self._check_state(inst)
+                        inst.calls += 1
+                        if not inst.calls % STATE_CHECK_EVERY:
+                            self._check_state(inst, counted=True)
                         inst.ctx._first_pos = first
-            self._last = (entries, last[1])
+            self._last = (entries, last[1], last[2])
             self._plan = last[1]
             self.timing["hook_steps"] += last[1] is not None
             self.timing["plans_reused"] += 1
@@ -176,11 +186,35 @@ class WorkerHooks:
         for calls in plan.values():
             calls.sort(key=lambda c: c[0])          # post (False) first; stable otherwise
         self._plan = plan or None
-        self._last = (entries, self._plan)
+        self._last = (entries, self._plan, [tuple(e[0].all) for e in entries])
         self.timing["hook_steps"] += bool(plan)
 
+    def advance(self) -> bool:
+        """A step that repeats the last one's rows (`worker/repeat.py`: the same requests at
+        the same rows, each one position on): the last plan again, without building entries.
+        False where there is no plan to reuse (then `plan`)."""
+        last = self._last
+        if last is None:
+            return False
+        for insts in last[2]:
+            for inst in insts:
+                if not inst.failed:
+                    inst.calls += 1
+                    if not inst.calls % STATE_CHECK_EVERY:
+                        self._check_state(inst, counted=True)
+                    inst.ctx._first_pos += 1
+        self._plan = last[1]
+        self.timing["hook_steps"] += last[1] is not None
+        self.timing["plans_reused"] += 1
+        return True
+
     def clear_plan(self) -> None:
+        """After a step: no hook runs until the next plan (the last one is kept for reuse)."""
         self._plan = None
+
+    def forget(self) -> None:
+        """The next step plans from scratch (planning failed, or the engine stopped routing)."""
+        self._plan = self._last = None
 
     @property
     def planned(self) -> bool:
@@ -239,11 +273,12 @@ class WorkerHooks:
                 inst.fail(f"raised {type(e).__name__}: {e} (layer {L})")
             return None
 
-    def _check_state(self, inst: HookInstance) -> None:
+    def _check_state(self, inst: HookInstance, counted: bool = False) -> None:
         """Every STATE_CHECK_EVERY steps of the request (and when it finishes)."""
-        inst.calls += 1
-        if inst.calls % STATE_CHECK_EVERY:
-            return
+        if not counted:
+            inst.calls += 1
+            if inst.calls % STATE_CHECK_EVERY:
+                return
         try:
             size = nbytes(inst.ctx.saved)
         except StateError as e:
@@ -407,9 +442,10 @@ class _Group:
     """The requests of one batched hook in this step, in row order: their contexts, rows
     and offsets in `h`, built once and shared by every layer the hook runs at."""
 
-    __slots__ = ("insts", "ctxs", "segs", "offsets", "end", "rows")
+    __slots__ = ("insts", "ctxs", "segs", "offsets", "end", "rows", "seen")
 
     def __init__(self, epochs: dict | None = None, key=None):
+        self.seen = HookInstance.failures
         self.insts: list[HookInstance] = []
         self.ctxs: CtxList = CtxList((), epochs, key)
         self.segs: list[tuple[int, int]] = []
@@ -437,8 +473,10 @@ class _Group:
 
     def live(self) -> bool:
         """Drop requests whose hook failed at an earlier layer; whether any remain."""
-        if any(i.failed for i in self.insts):
-            self._set([(seg, i) for seg, i in zip(self.segs, self.insts) if not i.failed])
+        if self.seen != HookInstance.failures:
+            self.seen = HookInstance.failures
+            if any(i.failed for i in self.insts):
+                self._set([(seg, i) for seg, i in zip(self.segs, self.insts) if not i.failed])
         return bool(self.insts)
 
     def index(self, point: "_Point"):

@@ -212,7 +212,7 @@ class HookRuntime:
         for req in list(self.hooked.values()):
             self._finish_hooks(req)
         if self.hooks is not None:
-            self.hooks.clear_plan()
+            self.hooks.forget()
         self.repeat.forget()
         self._step = self._repeated = None
         self._steer_dirty = 0
@@ -239,7 +239,7 @@ class HookRuntime:
         req.routes = RequestRoutes(req.prompt_len)
         if req.hooks is not None:
             for inst in req.hooks.all:
-                inst.failed = True
+                inst.stop()
 
     @staticmethod
     def _track_blocks(req: HookRequest, groups, replace: bool) -> None:
@@ -438,7 +438,7 @@ class HookRuntime:
             for r in self.active.values():
                 _note(r.errors, f"internal error in vllm_hook routing: {e!r}")
             self._reset_steering(view.num_tokens_padded)
-        if self.hooked:
+        if self.hooked and not (self._repeated is not None and self.hooks.advance()):
             self._plan_hooks(view)
         self.timing["hooked_steps"] += 1
         self._count_host(t0, self._repeated is not None)
@@ -454,7 +454,7 @@ class HookRuntime:
             self.hooks.plan(entries)
         except Exception as e:
             log.exception("vllm_hook: planning hooks failed; no hook runs in this step")
-            self.hooks.clear_plan()
+            self.hooks.forget()
             for req in self.hooked.values():
                 _note(req.errors, f"internal error in vllm_hook planning hooks: {e!r}")
 
