@@ -191,7 +191,7 @@ def main() -> None:
             key = f"{n}:step+lens:{mode}"
             res[key] = {"ms_per_step": round(statistics.median(ts), 4)}
             print(f"{n:4d} step + lens {mode:10s} {statistics.median(ts):8.4f} ms/step", flush=True)
-        del Ws, graph
+        Ws = graph = None      # free the stand-in before the next batch size
         torch.cuda.empty_cache()
     res["device"] = torch.cuda.get_device_name()
     (out / "results.json").write_text(json.dumps(res, indent=1))
