@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--inter", type=int, default=8960)
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--tune-only", action="store_true", help="only the top-k kernels' knobs")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,8 +93,43 @@ def main() -> None:
     def norm(x):      # what the engine uses on a GPU (adapters/params.py)
         return tk.rms_norm(x, nw, 1e-6)
 
+    def graph_ms(fn, iters: int = 50) -> float:
+        """Device time per call, replayed from a CUDA graph (no launch gaps)."""
+        fn()
+        torch.cuda.synchronize()
+        g_ = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g_):
+            fn()
+        g_.replay()
+        torch.cuda.synchronize()
+        a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            g_.replay()
+        b_.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b_) / iters
+
     res: dict = {}
     for n in args.batches:
+        # The top-k kernels' knobs, by device time alone (graph replays).
+        lg = torch.randn(4 * n, V, device=dev, dtype=dt, generator=g)
+        ref_ids = lg.float().log_softmax(-1).topk(5, -1).indices
+        for block in (2048, 4096, 8192, 16384):
+            for warps in ((4, 4), (8, 4), (8, 8), (16, 8)):
+                ids, _ = tk.topk_logprobs(lg, 5, block=block, warps=warps)
+                ok = bool((lg.gather(1, ids) == lg.gather(1, ref_ids)).all())
+                ms = graph_ms(lambda: tk.topk_logprobs(lg, 5, block=block, warps=warps))
+                res[f"{n}:tune:{block}:{warps[0]}:{warps[1]}"] = {"gpu_us": round(ms * 1e3, 1), "ok": ok}
+                print(f"{n:4d} tune block {block:6d} warps {warps}  {ms * 1e3:7.1f} us  ok={ok}", flush=True)
+        for name, fn in (("torch chunked", lambda: torch_only(lambda: b.topk_logprobs(lg, 5))),
+                         ("linear", lambda: torch.nn.functional.linear(lg[:, :H], w)),
+                         ("norm triton", lambda: norm(lg[:, :H].contiguous()))):
+            ms = graph_ms(fn)
+            res[f"{n}:graph:{name}"] = {"gpu_us": round(ms * 1e3, 1)}
+            print(f"{n:4d} graph {name:20s} {ms * 1e3:7.1f} us", flush=True)
+        if args.tune_only:
+            continue
         rows = 4 * n
         x = torch.randn(rows, H, device=dev, dtype=dt, generator=g)
         logits = torch.nn.functional.linear(norm(x), w)

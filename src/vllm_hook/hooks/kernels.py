@@ -122,23 +122,24 @@ def available(logits: torch.Tensor, k: int) -> bool:
             and logits.shape[1] >= k and logits.stride(1) == 1)
 
 
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_logprobs(logits: torch.Tensor, k: int, block: int = BLOCK,
+                  warps: tuple[int, int] = (4, 4)) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int64, log-probabilities fp32) of the k largest entries of each row of `logits`
-    [rows, vocab]; the same as log_softmax then topk, up to fp32 rounding and ties."""
+    [rows, vocab]; the same as log_softmax then topk, up to fp32 rounding and ties. `block`
+    and `warps` (of the first two kernels) are tuning knobs (benchmarks/lens_gpu.py)."""
     n, v = logits.shape
-    c = triton.cdiv(v, BLOCK)
+    c = triton.cdiv(v, block)
     dev = logits.device
-    stats = torch.empty((2, n, c), dtype=torch.float32, device=dev)
-    lse = torch.empty(n, dtype=torch.float32, device=dev)
-    cv = torch.empty((n, k, k), dtype=torch.float32, device=dev)
-    ci = torch.empty((n, k, k), dtype=torch.int64, device=dev)
+    tmp = torch.empty(n * (2 * c + 1 + k * k), dtype=torch.float32, device=dev)   # one allocation
+    ci = torch.empty(n * k * k, dtype=torch.int64, device=dev)
     ids = torch.empty((n, k), dtype=torch.int64, device=dev)
     lps = torch.empty((n, k), dtype=torch.float32, device=dev)
     if n == 0:
         return ids, lps
+    m, s, lse, cv = tmp[:n * c], tmp[n * c:2 * n * c], tmp[2 * n * c:2 * n * c + n], tmp[2 * n * c + n:]
     z, stride = logits, logits.stride(0)
-    _stats[(n, c)](z, stride, v, c, stats[0], stats[1], BLOCK=BLOCK, num_warps=4)
-    _candidates[(n, k)](z, stride, v, c, stats[0], stats[1], lse, cv, ci, K=k, BLOCK=BLOCK,
-                        BC=triton.next_power_of_2(c), num_warps=4)
+    _stats[(n, c)](z, stride, v, c, m, s, BLOCK=block, num_warps=warps[0])
+    _candidates[(n, k)](z, stride, v, c, m, s, lse, cv, ci, K=k, BLOCK=block,
+                        BC=triton.next_power_of_2(c), num_warps=warps[1])
     _merge[(n,)](lse, cv, ci, ids, lps, K=k, BKK=triton.next_power_of_2(k * k), num_warps=1)
     return ids, lps
