@@ -41,20 +41,39 @@ def load_builtin():
     return b, tk
 
 
-def gpu_ms(fn, iters: int = 50) -> tuple[float, float]:
-    """(device ms per call, host µs per call to launch it)."""
-    for _ in range(5):
-        fn()
+def device_ms(body, iters: int, finish=None) -> tuple[float, float]:
+    """(device ms per iteration, host µs per iteration) of `iters` calls of `body`; `finish`
+    (e.g. joining a side stream) runs before the end is recorded."""
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
     a.record()
     for _ in range(iters):
-        fn()
+        body()
+    if finish is not None:
+        finish()
     b.record()
     host = (time.perf_counter() - t) / iters * 1e6
     torch.cuda.synchronize()
     return a.elapsed_time(b) / iters, host
+
+
+def gpu_ms(fn, iters: int = 50) -> tuple[float, float]:
+    """(device ms per call, host µs per call to launch it)."""
+    for _ in range(5):
+        fn()
+    return device_ms(fn, iters)
+
+
+def graph_ms(fn, iters: int = 50) -> float:
+    """Device time per call, replayed from a CUDA graph (no launch gaps)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    return device_ms(g.replay, iters)[0]
 
 
 def main() -> None:
@@ -92,23 +111,6 @@ def main() -> None:
 
     def norm(x):      # what the engine uses on a GPU (adapters/params.py)
         return tk.rms_norm(x, nw, 1e-6)
-
-    def graph_ms(fn, iters: int = 50) -> float:
-        """Device time per call, replayed from a CUDA graph (no launch gaps)."""
-        fn()
-        torch.cuda.synchronize()
-        g_ = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g_):
-            fn()
-        g_.replay()
-        torch.cuda.synchronize()
-        a, b_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g_.replay()
-        b_.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b_) / iters
 
     res: dict = {}
     for n in args.batches:
@@ -149,7 +151,7 @@ def main() -> None:
             "norm (torch)": lambda: norm_torch(x),
             "norm (triton)": lambda: norm(x),
             "linear": lambda: torch.nn.functional.linear(x, w),
-            "topk_chunked (current, no linear)": lambda: b.topk_logprobs(logits, 5),
+            "topk_chunked torch (no linear)": lambda: torch_only(lambda: b.topk_logprobs(logits, 5)),
             "topk_plain (log_softmax + topk)": lambda: b.topk_logprobs(logits, 5, chunks=1),
             "topk_bf16 + logsumexp": lambda: (logits.topk(5, -1), torch.logsumexp(logits.float(), -1)),
             "topk_triton (no linear)": lambda: tk.topk_logprobs(logits, 5),
@@ -205,22 +207,17 @@ def main() -> None:
                 b._lens(norm(x), w, 5)
 
         def loop(mode, steps=40):
-            graph.replay()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(steps):
+            def one():
                 graph.replay()
                 if mode == "same_torch":
                     lens_on(None, triton=False)
                 elif mode == "same":
                     lens_on(None)
                 elif mode == "side":
-                    lens_on(side)
-            main.wait_stream(side)
-            e1.record()
-            torch.cuda.synchronize()
-            return e0.elapsed_time(e1) / steps
+                    lens_on(side)          # on a clone of the copies: it may overlap the next replay
+
+            graph.replay()
+            return device_ms(one, steps, finish=lambda: main.wait_stream(side))[0]
 
         for mode in ("none", "same_torch", "same", "side", "none"):
             ts = [loop(mode) for _ in range(5)]
