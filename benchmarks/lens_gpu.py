@@ -113,6 +113,18 @@ def main() -> None:
         return tk.rms_norm(x, nw, 1e-6)
 
     res: dict = {}
+    # What a worker with hook layers does at start (hooks/kernels.py: warm), then the first
+    # calls at the lens's shapes: they should find the kernels built.
+    t = time.perf_counter()
+    tk.warm(dev, dt, H, V)
+    torch.cuda.synchronize()
+    res["warm_s"] = round(time.perf_counter() - t, 3)
+    x0 = torch.randn(4 * args.batches[-1], H, device=dev, dtype=dt, generator=g)
+    t = time.perf_counter()
+    b._lens(norm(x0), w, 5)
+    torch.cuda.synchronize()
+    res["first_lens_call_after_warm_s"] = round(time.perf_counter() - t, 4)
+    print("warm", res["warm_s"], "s; first lens call after it", res["first_lens_call_after_warm_s"], "s", flush=True)
     for n in args.batches:
         # The top-k kernels' knobs, by device time alone (graph replays).
         lg = torch.randn(4 * n, V, device=dev, dtype=dt, generator=g)

@@ -152,6 +152,20 @@ print("ok")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
+def test_kernels_that_fail_to_build_leave_the_torch_path(monkeypatch):
+    """A worker with hook layers builds the lens's kernels at start; where that fails (here: no
+    GPU) the lens keeps torch's path instead of failing the engine."""
+    kernels = pytest.importorskip("vllm_hook.hooks.kernels")
+    pytest.importorskip("triton")
+    monkeypatch.setattr(kernels, "triton", kernels.triton)          # restored afterwards
+    kernels.warm(torch.device("cpu"), torch.bfloat16, 8, 64)         # the CPU: nothing to build
+    assert kernels.triton is not None
+    kernels.warm(torch.device("cuda"), torch.bfloat16, 8, 64)        # no CUDA here: the build fails
+    assert kernels.triton is None and not kernels.available(torch.zeros(2, 64), 5)
+    logits = torch.randn(3, 64)
+    assert torch.equal(topk_logprobs(logits, 5)[0], logits.log_softmax(-1).topk(5, -1).indices)
+
+
 def test_chunk_count():
     assert _chunks(151936, 5) == 128 and _chunks(128256, 5) == 256 and _chunks(32000, 5) == 256
     assert _chunks(512, 5) == 256 and _chunks(1000, 5) == 1 and _chunks(4096, 300) == 1

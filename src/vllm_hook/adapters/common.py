@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from ..config import HookConfig
+from ..hooks import kernels
 from ..model.instrument import instrument
 from ..spec.resolve import steer_bound
 from ..spec.schema import SPEC_KEY
@@ -82,6 +83,9 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
     if cfg.hook_layers:
         hooks = WorkerHooks(ModelAccess(model, rank, tp), info.num_layers, cfg.hook_boundaries(info.num_layers),
                             cfg, steer_bound(info, cfg.max_ops_per_layer), rank, tp)
+        param = next(model.parameters())
+        kernels.warm(param.device, vllm_config.model_config.dtype, info.hidden_size,
+                     vllm_config.model_config.get_vocab_size())
     bufs, points, attns = instrument(model, info, cfg, max_num_batched_tokens=sc.max_num_batched_tokens,
                                      max_num_seqs=sc.max_num_seqs, dtype=vllm_config.model_config.dtype,
                                      hook_owner=hooks.owner if hooks else 0)

@@ -15,8 +15,11 @@ rows (`adapters/params.py` uses this one on CUDA tensors).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+log = logging.getLogger("vllm_hook")
 MAX_K = 16
 BLOCK = 2048                   # vocabulary entries per (row, chunk) program
 
@@ -109,11 +112,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
+    if x.data_ptr() % 16:        # a view at an odd offset: another compiled variant otherwise
+        x = x.clone()
     out = torch.empty_like(x)
     if x.shape[0]:
         _rms_norm[(x.shape[0],)](x, weight, out, x.shape[1], eps, ROUND=weight.dtype != torch.float32,
                                  BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=4)
     return out
+
+
+def warm(device: torch.device, dtype: torch.dtype, hidden: int, vocab: int, k: int = 5) -> None:
+    """Compile the kernels for this model's shapes (the logit lens's default k) when a worker
+    with hook layers starts: a first call compiles them, about 2 s on the H200 host (run 52),
+    which would stall the engine's step that first runs a lens. Triton keeps them on disk, so
+    a later start loads them. Nothing on the CPU."""
+    global triton
+    if triton is None or device.type != "cuda":
+        return
+    try:
+        topk_logprobs(torch.zeros((1, vocab), dtype=dtype, device=device), k)
+        rms_norm(torch.zeros((1, hidden), dtype=dtype, device=device), torch.ones(hidden, dtype=dtype, device=device),
+                 1e-6)
+    except Exception:           # a GPU Triton cannot build for: torch's path, as without Triton
+        log.warning("vllm_hook: the logit lens's Triton kernels failed to build; using torch's", exc_info=True)
+        triton = None
+
+
+def _up16(n: int) -> int:
+    return (n + 15) // 16 * 16
 
 
 def available(logits: torch.Tensor, k: int) -> bool:
@@ -130,13 +156,17 @@ def topk_logprobs(logits: torch.Tensor, k: int, block: int = BLOCK,
     n, v = logits.shape
     c = triton.cdiv(v, block)
     dev = logits.device
-    tmp = torch.empty(n * (2 * c + 1 + k * k), dtype=torch.float32, device=dev)   # one allocation
+    # One scratch allocation; each part starts on a 64-byte boundary, as a fresh tensor would:
+    # Triton compiles a variant per pointer alignment, so unaligned parts would compile again
+    # (seconds) for row counts that `warm` did not see.
+    a, b = _up16(n * c), _up16(n)
+    tmp = torch.empty(2 * a + b + n * k * k, dtype=torch.float32, device=dev)
     ci = torch.empty(n * k * k, dtype=torch.int64, device=dev)
     ids = torch.empty((n, k), dtype=torch.int64, device=dev)
     lps = torch.empty((n, k), dtype=torch.float32, device=dev)
     if n == 0:
         return ids, lps
-    m, s, lse, cv = tmp[:n * c], tmp[n * c:2 * n * c], tmp[2 * n * c:2 * n * c + n], tmp[2 * n * c + n:]
+    m, s, lse, cv = tmp[:a], tmp[a:2 * a], tmp[2 * a:2 * a + b], tmp[2 * a + b:]
     z, stride = logits, logits.stride(0)
     _stats[(n, c)](z, stride, v, c, m, s, BLOCK=block, num_warps=warps[0])
     _candidates[(n, k)](z, stride, v, c, m, s, lse, cv, ci, K=k, BLOCK=block,
