@@ -149,17 +149,8 @@ class WorkerHooks:
         last = self._last
         if last is not None and len(last[0]) == len(entries) and all(
                 a[0] is b[0] and a[1] == b[1] and a[2] == b[2] for a, b in zip(last[0], entries)):
-            for (_, _, _, first), insts in zip(entries, last[2]):
-                for inst in insts:
-                    if not inst.failed:
-                        inst.calls += 1
-                        if not inst.calls % STATE_CHECK_EVERY:
-                            self._check_state(inst, counted=True)
-                        inst.ctx._first_pos = first
+            self._reuse([e[3] for e in entries])
             self._last = (entries, last[1], last[2])
-            self._plan = last[1]
-            self.timing["hook_steps"] += last[1] is not None
-            self.timing["plans_reused"] += 1
             return
         plan: dict[int, list] = {}
         groups: dict[tuple, _Group] = {}
@@ -167,7 +158,7 @@ class WorkerHooks:
             for inst in rh.all:
                 if inst.failed:
                     continue
-                self._check_state(inst)
+                self._tick(inst)
                 if inst.hook.batched:
                     key = (id(inst.hook), inst.points)
                     g = groups.get(key)
@@ -193,20 +184,23 @@ class WorkerHooks:
         """A step that repeats the last one's rows (`worker/repeat.py`: the same requests at
         the same rows, each one position on): the last plan again, without building entries.
         False where there is no plan to reuse (then `plan`)."""
-        last = self._last
-        if last is None:
+        if self._last is None:
             return False
-        for insts in last[2]:
+        self._reuse(None)
+        return True
+
+    def _reuse(self, firsts: list[int] | None) -> None:
+        """The last plan for this step: each request's first position from `firsts` (by
+        entry), or one further than the last step's."""
+        plan, per_entry = self._last[1], self._last[2]
+        for i, insts in enumerate(per_entry):
             for inst in insts:
                 if not inst.failed:
-                    inst.calls += 1
-                    if not inst.calls % STATE_CHECK_EVERY:
-                        self._check_state(inst, counted=True)
-                    inst.ctx._first_pos += 1
-        self._plan = last[1]
-        self.timing["hook_steps"] += last[1] is not None
+                    self._tick(inst)
+                    inst.ctx._first_pos = firsts[i] if firsts is not None else inst.ctx._first_pos + 1
+        self._plan = plan
+        self.timing["hook_steps"] += plan is not None
         self.timing["plans_reused"] += 1
-        return True
 
     def clear_plan(self) -> None:
         """After a step: no hook runs until the next plan (the last one is kept for reuse)."""
@@ -273,12 +267,14 @@ class WorkerHooks:
                 inst.fail(f"raised {type(e).__name__}: {e} (layer {L})")
             return None
 
-    def _check_state(self, inst: HookInstance, counted: bool = False) -> None:
-        """Every STATE_CHECK_EVERY steps of the request (and when it finishes)."""
-        if not counted:
-            inst.calls += 1
-            if inst.calls % STATE_CHECK_EVERY:
-                return
+    def _tick(self, inst: HookInstance) -> None:
+        """One more step of the request: its state's size is checked every STATE_CHECK_EVERY."""
+        inst.calls += 1
+        if not inst.calls % STATE_CHECK_EVERY:
+            self._check_state(inst)
+
+    def _check_state(self, inst: HookInstance) -> None:
+        """The size of the request's hook state against max_hook_state_bytes."""
         try:
             size = nbytes(inst.ctx.saved)
         except StateError as e:
@@ -297,8 +293,7 @@ class WorkerHooks:
         """The request's spec-hook results (saved dicts, by spec index) queued to host memory,
         with the event to wait for; persistent hook results go to their store."""
         for inst in rh.all:
-            inst.calls = STATE_CHECK_EVERY - 1       # the last check, whatever the count
-            self._check_state(inst)
+            self._check_state(inst)                  # the last check, whatever the count
         # Its groups' call logs end (they hold its context, and so its device tensors), and
         # a plan that holds it is not reused.
         if self._last is not None and any(e[0] is rh for e in self._last[0]):
