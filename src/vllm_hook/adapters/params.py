@@ -68,9 +68,10 @@ class ModelAccess:
 
 
 def _direct_rms_norm(norm):
-    """vLLM's RMSNorm / GemmaRMSNorm math in plain torch ops, or None for other norms. Called
-    through the module, vLLM's op dispatch cost about 200 µs of host time per call on the H200
-    host (the logit lens calls it once per layer and step); the math is a few kernels."""
+    """vLLM's RMSNorm / GemmaRMSNorm math, or None for other norms: one Triton kernel on a
+    GPU (`hooks/kernels.py`), plain torch ops otherwise. Called through the module, vLLM's op
+    dispatch cost about 200 µs of host time per call on the H200 host (the logit lens calls it
+    once per step)."""
     name = type(norm).__name__
     if name not in ("RMSNorm", "GemmaRMSNorm") or getattr(norm, "variance_size_override", None) is not None:
         return None

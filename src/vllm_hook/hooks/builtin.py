@@ -23,8 +23,8 @@ def topk_logprobs(logits: torch.Tensor, k: int, chunks: int | None = None) -> tu
     H200 mostly idle (1.3 ms per layer at 64 rows of a 152k vocabulary, docs/benchmarks.md).
     The top k lie in the k chunks of largest maxima; each chunk's log-sum-exp comes from one
     log-softmax over the chunk (lse_c = z_0 - log_softmax(z)_0, in fp32), the row's from one
-    over the chunks' (lse = lse_c_0 - log_softmax(lse_c)_0). With Triton and k <= 16, two
-    kernels instead (`kernels.py`)."""
+    over the chunks' (lse = lse_c_0 - log_softmax(lse_c)_0). On a GPU with Triton and
+    k <= 16, three kernels instead (`kernels.py`)."""
     if chunks is None and kernels.available(logits, k):
         return kernels.topk_logprobs(logits, k)
     n, v = logits.shape
