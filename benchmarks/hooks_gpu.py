@@ -10,6 +10,11 @@ token (the engine core's step interval) and end-to-end throughput (generate + re
 user's hands), alternating engines per rep, for (a) no hooked request, (b) a read-only logit
 lens at 4 layers (batched), (c) a modifying hook at 1 layer (batched), and the same as
 per-request Python hooks (norms at 4 layers, a scaling at 1). Writes results.json, report.md.
+
+`--hook-graphs-ab`: one more engine, the plugin with `hook_graphs` off (the lens's steady
+steps eager, `worker/hook_graphs.py`), timed on the unused and lens workloads in the same
+reps; on both, the lens's rows are checked against a reference computed from the same
+request's capture (`lens_check`).
 """
 
 from __future__ import annotations
@@ -90,6 +95,72 @@ def parity(engines: dict, L: int) -> dict:
     }
 
 
+def lens_check(engines: dict, L: int, model: str) -> dict:
+    """The lens's rows against a reference computed here from the same request's capture of
+    those layers (the model's dtype), with the checkpoint's final norm and unembedding and
+    the same kernels: prompt rows (eager in every engine) and decode rows (on the graph
+    engine mostly replayed from the hooks' CUDA graph), for the engine with hook_graphs and
+    the one without. Two engines cannot be compared with each other: each compiles its own
+    kernels, and bf16 with random weights drifts apart within a few tokens."""
+    import json as _json
+
+    import torch
+    from safetensors import safe_open
+
+    import vllm_hook
+    from vllm_hook.hooks import kernels
+    from vllm_hook.hooks.builtin import topk_logprobs
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    four = tracker_layers(L)
+    cfg = _json.loads((Path(model) / "config.json").read_text())
+    names = ("model.norm.weight", "lm_head.weight", "model.embed_tokens.weight")
+    w = {}
+    for f in Path(model).glob("*.safetensors"):
+        with safe_open(str(f), "pt", device=dev) as sf:
+            w.update({k: sf.get_tensor(k) for k in names if k in sf.keys()})
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    eps = cfg.get("rms_norm_eps", 1e-6)
+
+    def norm(h):         # vLLM's RMSNorm: fp32 math, rounded to h's dtype, times the weight
+        got = kernels.rms_norm(h, w["model.norm.weight"], eps)
+        if got is None:
+            f = h.float()
+            got = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * w["model.norm.weight"]
+        return got
+    spec = {"hooks": [{"name": "logit_lens", "args": {"layers": four, "k": 5}}],
+            "capture": [{"layers": four, "tokens": "all"}], "dtype": "model"}
+    save = tempfile.mkdtemp(prefix="vh_lens_check_")
+    out = {}
+    for name in ("plugin_graph", "plugin_graph_eager_hooks"):
+        before = engines[name].call({"op": "stats"})["stats"]["timing"]
+        outs = engines[name].call({"op": "outputs", "n": 16, "prompt_len": 64, "max_tokens": 24,
+                                   "specs": [spec] * 16, "save_dir": save, "tag": name})["outputs"]
+        after = engines[name].call({"op": "stats"})["stats"]["timing"]
+        agree = {"prompt": [0, 0], "decode": [0, 0]}
+        gap = {"prompt": 0.0, "decode": 0.0}
+        for o in outs:
+            r = vllm_hook.Results.load(o["saved"])
+            for x in four:
+                h = r.activations["resid_post"][x].to(dev)
+                ids, lps = topk_logprobs(torch.nn.functional.linear(norm(h), head), 5)
+                gi = torch_cat(r.hook_results[0][f"layer{x}.ids"]).to(dev)
+                gl = torch_cat(r.hook_results[0][f"layer{x}.logprobs"]).to(dev)
+                n = min(len(gi), len(ids))
+                for part, sl in (("prompt", slice(0, 64)), ("decode", slice(64, n))):
+                    agree[part][0] += int((gi[sl, 0] == ids[sl, 0]).sum())
+                    agree[part][1] += len(gi[sl])
+                    gap[part] = max(gap[part], float((gl[sl, 0] - lps[sl, 0]).abs().max()))
+        out[name] = {"top1_equal_prompt": agree["prompt"][0] / max(agree["prompt"][1], 1),
+                     "top1_equal_decode": agree["decode"][0] / max(agree["decode"][1], 1),
+                     "top1_logprob_gap_prompt": gap["prompt"], "top1_logprob_gap_decode": gap["decode"],
+                     "decode_rows": agree["decode"][1],
+                     "graph_replays": after.get("graph_replays", 0) - before.get("graph_replays", 0),
+                     "graph_captures": after.get("graph_captures", 0) - before.get("graph_captures", 0),
+                     "graph_refusals": after.get("graph_refusals", 0) - before.get("graph_refusals", 0)}
+    return out
+
+
 def lens_math(vocab: int) -> dict:
     """The logit lens's top-k/log-probabilities on the GPU, chunked (the built-in) against the
     plain log_softmax + topk, on random bf16 logits: equal top values, the log-probability
@@ -124,21 +195,24 @@ def load_norms(r, layer):
     return torch_cat(r.hook_results[0][f"layer{layer}"]).float()
 
 
-def speed(engines: dict, L: int, args) -> list[dict]:
+def speed(engines: dict, L: int, args, rows: list, save) -> list[dict]:
+    """Appends each rep's row to `rows` and saves: a run cut short keeps the reps it timed."""
     wl = workloads(L)
-    rows = []
     native, eager, plugin = engines["native_graph"], engines["native_eager"], engines["plugin_graph"]
     for c in args.concurrency:
         for rep in range(args.reps):
             r = {"concurrency": c, "rep": rep}
+            ab = engines.get("plugin_graph_eager_hooks")
+            extra = [(f"{k}_eager_hooks", ab, wl[k]) for k in ("unused", "logit_lens_4_layers")] if ab else []
             for name, w, spec in [("native", native, None), ("native_eager", eager, None)] + \
-                    [(k, plugin, v) for k, v in wl.items()]:
+                    [(k, plugin, v) for k, v in wl.items()] + extra:
                 if name == "native_eager" and rep >= args.eager_reps:
                     continue
                 t = tpot(w, c, args.prompt_len, args.gen, [spec] * c if spec else None, 1)
                 r[name] = {"tpot_s": t[t["method"]], "wall_s": t["wall_s"],
                            "tok_per_s": c * (args.gen + 1) / t["wall_s"], "host_us": t["host_us"]}
             rows.append(r)
+            save()
             print(f"  c={c:<3} rep {rep}: " + "  ".join(
                 f"{k} {1e3 * v['tpot_s']:.2f}ms/{v['tok_per_s']:.0f}t/s" for k, v in r.items()
                 if isinstance(v, dict)), flush=True)
@@ -159,6 +233,10 @@ def report(result: dict) -> str:
                   "| rows | chunked µs | plain µs | top values equal | ids equal | log-prob gap |", "|---|---|---|---|---|---|"]
         lines += [f"| {n} | {v['chunked_us']:.0f} | {v['plain_us']:.0f} | {v['top_values_equal']} | "
                   f"{v['ids_equal_frac']:.3f} | {v['logprob_max_gap']:.2e} |" for n, v in lm.items()]
+    ab = result.get("hook_graphs_ab")
+    if ab:
+        lines += ["", "The lens against a reference from the same request's capture (16 requests x (64 + 24) "
+                  "tokens; hook_graphs on, and off in plugin_graph_eager_hooks):", ""] + [f"- {k}: {v}" for k, v in ab.items()]
     p = result.get("parity")
     if p:
         lines += ["", "Parity (graph vs eager, bf16, random weights):", ""]
@@ -178,9 +256,21 @@ def report(result: dict) -> str:
                 t = statistics.median(x["tpot_s"] for x in got)
                 w = statistics.median(x["wall_s"] for x in got)
                 tps = statistics.median(x["tok_per_s"] for x in got)
-                tgt = TARGET_UNUSED if k == "unused" else (TARGET_HOOKED if k not in ("native", "native_eager") else None)
+                tgt = TARGET_UNUSED if k.startswith("unused") else (TARGET_HOOKED if k not in ("native", "native_eager") else None)
                 verdict = "" if tgt is None or c == 1 and k != "unused" else ("met" if t / nt <= tgt and w / nw <= tgt else "NOT met") + f" (<= {tgt})"
                 lines.append(f"| {c} | {k} | {1e3 * t:.3f} | {t / nt:.3f} | {tps:.0f} | {w / nw:.3f} | {verdict} |")
+        pairs = [(k, "unused") for k in names if k not in ("native", "native_eager", "unused")
+                 and not k.endswith("_eager_hooks")]
+        pairs += [(k, "unused_eager_hooks") for k in names if k.endswith("_eager_hooks") and k != "unused_eager_hooks"]
+        if pairs:
+            lines += ["", "In-engine: decode time per token over the same engine's unused rows, median of the "
+                      "per-rep ratios [min, max]:", "", "| requests | workload | x unused | reps |", "|---|---|---|---|"]
+            for c in sorted({r["concurrency"] for r in rows}):
+                rs = [r for r in rows if r["concurrency"] == c]
+                for k, base in pairs:
+                    q = [r[k]["tpot_s"] / r[base]["tpot_s"] for r in rs if k in r and base in r]
+                    if q:
+                        lines.append(f"| {c} | {k} | {statistics.median(q):.3f} [{min(q):.3f}, {max(q):.3f}] | {len(q)} |")
     t = (result.get("plugin_stats") or {}).get("timing") or {}
     if t.get("hook_steps"):
         lines += ["", f"Hooked steps of the graph engine: {t['hook_steps']:.0f}, of which "
@@ -200,6 +290,8 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.2)
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: checks the script runs")
+    ap.add_argument("--hook-graphs-ab", action="store_true",
+                    help="a fifth engine with hook_graphs off: its lens timed and its results compared")
     args = ap.parse_args()
     out = Path(args.out)
     model, base = model_and_base(args, max_num_seqs=64)
@@ -214,6 +306,9 @@ def main() -> None:
             ("plugin_eager", False, {**plugin_cfg, "enforce_eager": True})]
     if args.skip_parity:
         plan = plan[:3]            # plugin_eager serves only the parity check
+    if args.hook_graphs_ab:
+        plan.append(("plugin_graph_eager_hooks", False,
+                     {"additional_config": {"vllm_hook": {"hook_layers": hook_layers, "hook_graphs": False}}}))
     result = Record(out, run_meta(model, cfg, hook_layers=hook_layers, prompt_len=args.prompt_len, gen=args.gen),
                     render=report, startup={})
     save = result.save
@@ -232,7 +327,15 @@ def main() -> None:
             result["parity"] = parity(engines, L)
             print(json.dumps({k: v for k, v in result["parity"].items() if k != "tokens"}, indent=1), flush=True)
             save()
-        result["speed"] = speed(engines, L, args)
+        if args.hook_graphs_ab:
+            try:
+                result["hook_graphs_ab"] = lens_check(engines, L, model)
+            except Exception as e:          # the timing below still runs
+                result["hook_graphs_ab"] = {"error": repr(e)}
+            print("hook graphs A/B:", json.dumps(result["hook_graphs_ab"]), flush=True)
+            save()
+        result["speed"] = []
+        speed(engines, L, args, result["speed"], save)
         result["plugin_stats"] = engines["plugin_graph"].call({"op": "stats"})["stats"]
     finally:
         for w in engines.values():

@@ -172,6 +172,13 @@ class HookConfig(BaseModel):
         "which clients call by name with JSON arguments. Entry points of the group "
         "vllm_hook.hooks are loaded too.",
     )
+    hook_graphs: bool = Field(
+        default=True,
+        description="GPU: a steady decode step whose Python hooks are all batched, read-only and "
+        "graphable (the logit lens, stream_norms) replays their kernels from a CUDA graph of "
+        "its own, captured once the batch has held still for a few steps; off: they run "
+        "eagerly every step (docs/hooks.md).",
+    )
     max_hook_state_bytes: int = Field(
         default=1 << 30, ge=0,
         description="Tensor bytes one request's hook (its ctx.saved) may hold; beyond it the "

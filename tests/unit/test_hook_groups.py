@@ -140,3 +140,116 @@ def test_a_repeated_step_reuses_the_plan_one_position_on():
     assert seen == [[("a", [10]), ("b", [20])], [("a", [11]), ("b", [21])]]
     wh.forget()
     assert not wh.advance()
+
+
+class _FakeGraph:
+    """A CUDA graph on the CPU: capturing runs nothing here (the calls ran eagerly, as
+    the real capture records without running); a replay computes the hooks' outputs again
+    and writes them where the capture's outputs are, making no saves (a graph's kernels
+    write into the addresses captured, and run no Python)."""
+
+    def __init__(self, wh):
+        self.wh = wh
+
+    def capture_begin(self, **kw):
+        pass
+
+    def capture_end(self):
+        pass
+
+    def replay(self):
+        from vllm_hook.hooks import state
+
+        state.RECORDING, self.wh.capturing = [], True
+        try:
+            self.wh._run_all()
+            fresh = state.RECORDING
+        finally:
+            state.RECORDING, self.wh.capturing = None, False
+        for (_, _, old, _, _), (_, _, new, _, _) in zip(self.wh.graphs.saves, fresh):
+            old.copy_(new)
+
+
+def _graph_engine(monkeypatch, on: bool, hook: Hook, n: int = 3):
+    from vllm_hook.worker import hook_graphs
+
+    wh = WorkerHooks(_Access(), 4, {2, 3}, HookConfig(hook_layers="all", hook_graphs=on), 1e4)
+    monkeypatch.setattr(hook_graphs, "_new_graph", lambda: _FakeGraph(wh))
+    monkeypatch.setattr(hook_graphs, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(hook_graphs.HookGraphs, "_on_side", lambda self, fn: (fn(), True)[1])
+    wh.copies = {2: torch.zeros(8, 4), 3: torch.zeros(8, 4)}
+    wh._built["d"] = hook
+    reqs = [wh.for_request(rid, 4, [{"i": 0, "digest": "d"}], []) for rid in "abc"[:n]]
+    return wh, reqs
+
+
+def _slicing_hook(**kw) -> Hook:
+    def fn(ctx, h):          # two saves sliced from one output, as the logit lens's
+        o = torch.cat([h[:, :2] * 2, h[:, 2:] + ctx.layer_idx])
+        ctx.save(f"a{ctx.layer_idx}", o[:h.shape[0]])
+        ctx.save(f"b{ctx.layer_idx}", o[h.shape[0]:])
+    return Hook(fn, [1, 2], batched=True, read_only=True, **kw)
+
+
+def _steps(wh, reqs, k0: int, steps: int) -> None:
+    for k in range(k0, k0 + steps):
+        for b, cp in wh.copies.items():            # the forward's copies, this step's rows
+            cp.copy_(torch.arange(32.0).view(8, 4) * (k + 1) + b)
+        if not wh.advance():
+            wh.plan([(r, i, 1, 10 + k) for i, r in enumerate(reqs)])
+        wh.run_copies()
+        wh.clear_plan()
+
+
+def test_steady_read_only_steps_replay_a_graph_with_the_same_results(monkeypatch):
+    """worker/hook_graphs.py: a plan reused CAPTURE_AFTER times is captured (after one
+    eager step on the side stream), and later steps replay it; the saves recorded at capture
+    are made again after each replay on copies of the outputs. Every request's saved rows
+    equal an engine without graphs, step by step, and none aliases the graph's buffers."""
+    from vllm_hook.worker.hook_graphs import CAPTURE_AFTER
+
+    results = {}
+    for on in (False, True):
+        wh, reqs = _graph_engine(monkeypatch, on, _slicing_hook(graphable=True))
+        _steps(wh, reqs, 0, 12)
+        results[on] = [{k: [t.clone() for t in v] for k, v in r.spec[0].ctx.saved.items()} for r in reqs]
+        if on:
+            assert wh.timing["graph_captures"] == 1
+            assert wh.timing["graph_replays"] == 12 - CAPTURE_AFTER - 1      # one warm step eager
+            ptrs = [t.data_ptr() for r in reqs for v in r.spec[0].ctx.saved.values() for t in v]
+            assert len(set(ptrs)) == len(ptrs)       # one copy per step, never the buffer itself
+    for got, want in zip(results[True], results[False]):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert len(got[key]) == len(want[key]) == 12
+            assert all(torch.equal(x, y) for x, y in zip(got[key], want[key])), key
+
+
+def test_hook_graphs_only_for_graphable_hooks_and_dropped_when_the_batch_changes(monkeypatch):
+    """No graph for a hook not marked graphable; a member that fails drops the graph and
+    the rest run eagerly; a request leaving plans anew and captures again later; a capture
+    that raises (a hook that synchronises) leaves the step eager without failing the hook."""
+    wh, reqs = _graph_engine(monkeypatch, True, _slicing_hook())
+    _steps(wh, reqs, 0, 10)
+    assert wh.timing["graph_captures"] == 0
+
+    wh, reqs = _graph_engine(monkeypatch, True, _slicing_hook(graphable=True))
+    _steps(wh, reqs, 0, 8)
+    assert wh.timing["graph_captures"] == 1
+    reqs[1].spec[0].fail("test")
+    _steps(wh, reqs, 8, 3)
+    assert wh.graphs.graph is None and wh.timing["graph_captures"] == 1
+    assert len(reqs[1].spec[0].ctx.saved["a1"]) == 8 and len(reqs[0].spec[0].ctx.saved["a1"]) == 11
+    wh.finish("b", reqs[1])
+    _steps(wh, [reqs[0], reqs[2]], 11, 8)                # a new plan: captured again
+    assert wh.timing["graph_captures"] == 2 and len(reqs[0].spec[0].ctx.saved["a1"]) == 19
+
+    def sync_hook(ctx, h):
+        if wh.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        ctx.save("n", h[:, 0] * 1.0)
+
+    wh, reqs = _graph_engine(monkeypatch, True, Hook(sync_hook, [1], batched=True, read_only=True, graphable=True))
+    _steps(wh, reqs, 0, 10)
+    assert wh.timing["graph_refusals"] == 1 and wh.timing["graph_captures"] == 0
+    assert not any(r.spec[0].failed for r in reqs) and len(reqs[0].spec[0].ctx.saved["n"]) == 10

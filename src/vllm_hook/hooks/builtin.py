@@ -111,7 +111,7 @@ def logit_lens(layers: list[int], k: int = 5, tokens: Literal["all", "last"] = "
         return None
 
     return Hook(fn, layers, batched=True, name="logit_lens", args={"layers": layers, "k": k, "tokens": tokens},
-                read_only=True)
+                read_only=True, graphable=True)
 
 
 @operator_hook("zero_dims")
@@ -144,4 +144,5 @@ def stream_norms(layers: list[int]) -> Hook:
         ctx.save(f"layer{ctx.layer_idx}", h.float().norm(dim=-1))
         return None
 
-    return Hook(fn, layers, batched=True, name="stream_norms", args={"layers": layers}, read_only=True)
+    return Hook(fn, layers, batched=True, name="stream_norms", args={"layers": layers}, read_only=True,
+                graphable=True)

@@ -33,6 +33,12 @@ class Hook:
     request). Under CUDA graphs a decode step whose hooks are all read-only replays one
     graph that copies the stream at the hook points, and the hooks run after it on those
     copies, in layer order: no graph breaks (`docs/hooks.md`, "Where hooks run").
+
+    `graphable=True` (with `batched` and `read_only`): `fn` launches the same device work on
+    the same rows at every step of a steady batch (no Python that depends on positions or
+    values, no host synchronisation, results only through `ctx.save`). Such steps then replay
+    the hooks' kernels from a CUDA graph of their own, one launch instead of one per kernel
+    (`worker/hook_graphs.py`).
     """
 
     fn: Callable[..., Any]
@@ -42,6 +48,7 @@ class Hook:
     name: str | None = None
     args: dict = field(default_factory=dict)   # the JSON arguments of a named hook
     read_only: bool = False
+    graphable: bool = False
 
     def __post_init__(self):
         if not callable(self.fn):

@@ -194,10 +194,18 @@ def _log_of(d: dict, key: str, sig: tuple) -> RowLog:
     return log
 
 
+# Set while a CUDA graph of a step's hooks is captured (`worker/hook_graphs.py`): the saves
+# are recorded, not made, and made again after every replay on copies of the graph's outputs.
+RECORDING: list | None = None
+
+
 def append_rows(key: str, t: torch.Tensor, saved: list[dict], segs) -> None:
     """Append piece (first row, rows) of `t` to the RowLog `key` of each dict in `saved`
     (`segs[i]` for `saved[i]`; a None count means all of `t`'s rows)."""
     t, sig = _signature(key, t)
+    if RECORDING is not None:
+        RECORDING.append((append_rows, key, t, saved, segs))
+        return
     for d, (a, n) in zip(saved, segs):
         _log_of(d, key, sig).pieces.append((t, a, n))
 
@@ -206,6 +214,9 @@ def append_call(key: str, t: torch.Tensor, ctxs: CtxList, segs: list[tuple[int, 
     """A batched call's save: one append to the group's CallLog for `key` (a new CallLog, and
     a run of it in every request's RowLog, when the group or the signature changed)."""
     t, sig = _signature(key, t)
+    if RECORDING is not None:
+        RECORDING.append((append_call, key, t, ctxs, segs))
+        return
     logs = ctxs.logs()
     log = logs.get(key)
     if log is None or log.sig is not sig:

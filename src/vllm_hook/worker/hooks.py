@@ -25,6 +25,7 @@ from ..hooks.context import BatchHookContext, HookContext
 from ..hooks.hook import Hook, unpickle_hook
 from ..hooks.state import CtxList, StateError, nbytes, to_host
 from ..model.hook_point import new_owner
+from .hook_graphs import HookGraphs
 
 log = logging.getLogger("vllm_hook")
 HOOK_CACHE = 256              # distinct hooks kept built (by digest): a batch shares one object
@@ -86,6 +87,10 @@ class WorkerHooks:
         # Per batched group (hook, points): its requests and CallLogs while they stay the same.
         self._epochs: dict[tuple, tuple] = {}
         self.timing = dict.fromkeys(("hook_calls", "hook_s", "hook_steps", "read_only_steps", "plans_reused"), 0.0)
+        # Steady read-only steps replayed from a CUDA graph of the hooks' kernels; `capturing`
+        # while one is captured (errors then abort the capture, not the hooks).
+        self.graphs = HookGraphs(self.timing) if getattr(cfg, "hook_graphs", False) else None
+        self.capturing = False
         registry.load(tuple(cfg.hook_modules))
 
     # ---- building ------------------------------------------------------------------------
@@ -209,6 +214,11 @@ class WorkerHooks:
     def forget(self) -> None:
         """The next step plans from scratch (planning failed, or the engine stopped routing)."""
         self._plan = self._last = None
+        self._drop_graph()
+
+    def _drop_graph(self) -> None:
+        if self.graphs is not None:
+            self.graphs.reset()
 
     @property
     def planned(self) -> bool:
@@ -226,10 +236,12 @@ class WorkerHooks:
             return
         t0 = time.perf_counter()
         try:
-            if hs.is_cuda and torch.cuda.is_current_stream_capturing():
-                return           # a graph capture records no hook
+            if hs.is_cuda and not self.capturing and torch.cuda.is_current_stream_capturing():
+                return           # vLLM's graph captures record no hook
             _Point(self, hs, res).run(calls)
         except Exception:          # a bug of ours: never the engine's step
+            if self.capturing:
+                raise
             log.exception("vllm_hook: running hooks at boundary %d failed", boundary)
             for c in calls:
                 for inst in (c[1].insts if isinstance(c[1], _Group) else [c[1]]):
@@ -255,6 +267,10 @@ class WorkerHooks:
         if self._plan is None:
             return
         self.timing["read_only_steps"] += 1
+        if self.graphs is None or not self.graphs.step(self):
+            self._run_all()
+
+    def _run_all(self) -> None:
         for b in sorted(self._plan):
             self.run(b, self.copies[b], None)
 
@@ -263,6 +279,8 @@ class WorkerHooks:
         try:
             return fn(ctx, h)
         except Exception as e:
+            if self.capturing:      # the capture fails; the step runs eagerly, where it counts
+                raise
             for inst in insts:
                 inst.fail(f"raised {type(e).__name__}: {e} (layer {L})")
             return None
@@ -298,6 +316,7 @@ class WorkerHooks:
         # a plan that holds it is not reused.
         if self._last is not None and any(e[0] is rh for e in self._last[0]):
             self._last = None
+            self._drop_graph()
         mine = {id(inst.ctx) for inst in rh.all}
         for key in [k for k, (members, _) in self._epochs.items() if any(id(c) in mine for c in members)]:
             del self._epochs[key]
