@@ -30,7 +30,8 @@ TARGETS = {("steer_add_all_layers", False): 1.03, ("capture_last_prompt_4_layers
            ("mixed_thirds", False): 1.05, ("prefill", True): 1.10, **{(b, False): 1.5 for b in BIG}}
 STAGES = {  # counter (frontend or worker timing) -> stage name
     "frontend.admit_s": "admission (parse, resolve)", "worker.events_s": "worker admit/finish",
-    "worker.step_host_s": "routing (per step)", "worker.write_s": "worker write",
+    "worker.step_host_s": "routing (per step)", "worker.drain_s": "of which stored (hand-over)",
+    "worker.repeated_s": "of which repeated steps", "worker.write_s": "worker write",
     "frontend.fetch_rpc_s": "fetch RPC (incl. worker write)", "frontend.read_s": "frontend read",
     "frontend.build_s": "Results build"}
 

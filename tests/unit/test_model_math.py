@@ -399,7 +399,11 @@ def test_coalesce_merges_copies_that_lie_back_to_back():
 def test_repeated_decode_steps_are_delivered_per_run(monkeypatch):
     """Decode steps that repeat one routing go into a run buffer, one copy per step, and reach
     each request's store as one chunk per run, positions and rows as if delivered per step; a
-    full run, a new routing and the end of the batch close it, in order."""
+    full run, a new routing and the end of the batch close it, in order. A run's rows reach
+    the stores as views of its buffer (no copy; its bytes held against the pinned budget until
+    the stores let them go), "last" selections as copies."""
+    import gc
+
     from vllm_hook.delivery import runs
     from vllm_hook.delivery.collector import Collector
     from vllm_hook.delivery.store import RequestStore
@@ -407,8 +411,8 @@ def test_repeated_decode_steps_are_delivered_per_run(monkeypatch):
 
     pool = torch.zeros(16, 3)
     stores = {"a": RequestStore(), "b": RequestStore()}
-    c = Collector([pool, None, None], lambda seg, rows: stores[seg.owner].add(
-        seg.points, seg.positions, rows, seg.last_only))
+    c = Collector([pool, None, None], lambda seg, rows, blocked=False: stores[seg.owner].add(
+        seg.points, seg.positions, rows, seg.last_only, blocked))
     # a: 2 points at pool rows 0-1, position 10; b: "last" at pool row 2, position 4.
     template = StepRouting([Segment("a", (0, 5), 0, np.array([10]), False, 0, np.array([0])),
                             Segment("b", (1,), 2, np.array([4]), True, 0, np.array([1]))], {0: 3})
@@ -434,7 +438,13 @@ def test_repeated_decode_steps_are_delivered_per_run(monkeypatch):
     assert torch.equal(stores["a"].points()[0][1], torch.stack([w[0] for w in written]))
     pos, rows = stores["b"].points()[1]   # "last": only the newest rows are kept
     assert pos.tolist()[-1] == 10 and torch.equal(rows[-1], written[-1][2])
-
+    run_chunks = stores["a"]._chunks[(0, 5)][1:]
+    assert len(run_chunks) == 2 and all(not r.is_contiguous() for _, r in run_chunks)   # views
+    assert c.pinned_kept == sum(r.numel() * r.element_size() for _, r in run_chunks) == 6 * 2 * 3 * 4
+    stores.clear()
+    del run_chunks, rows
+    gc.collect()
+    assert c.pinned_kept == 0
 
 def test_attention_scores_in_chunks_equal_one_pass(monkeypatch):
     """Chunked over query rows (bounded device memory) = the one-pass softmax (to float

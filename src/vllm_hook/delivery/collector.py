@@ -31,7 +31,7 @@ from .arena import MIN_BLOCK_BYTES, Arena, make_arena
 from .hostmem import copy_many, host_empty
 from .runs import DecodeRun
 
-Deliver = Callable[[Segment, torch.Tensor], None]
+Deliver = Callable[..., None]         # (segment, rows, blocked=False): `RequestStore.add`
 KEEP_PINNED_MIN = 4 << 20       # a step's pinned block this large is kept, not copied out
 # At most this much kept at a time: a 16th of the host's memory, from 1 to 4 GiB (all layers
 # and tokens of 32 x 512-token prompts of a 1.5B model are 1.4 GB in bf16; copying them out
@@ -119,7 +119,7 @@ class Collector:
                 if not wait and not head.ready():
                     return
                 self._pending.popleft()
-                head.hand_over(self.deliver)
+                head.hand_over(self.deliver, self._keep)
                 continue
             event, hosts, segments, extras = head
             if not wait and not event.query():
@@ -159,6 +159,16 @@ class Collector:
             hosts = dict(zip(hosts, (d for d, _ in pairs)))
         copy_many(pairs)
         return [d for d, _ in pairs] if large else _slices(hosts, segments)
+
+    def _keep(self, view: torch.Tensor) -> bool:
+        """Whether a view of a run's (pinned) buffer may be kept (it holds the buffer until its
+        store lets it go): within KEEP_PINNED_BYTES, counted by the view's own bytes."""
+        n = view.numel() * view.element_size()
+        if self.pinned_kept + n > KEEP_PINNED_BYTES:
+            return False
+        self.pinned_kept += n
+        weakref.finalize(view, self._release, n)
+        return True
 
     def _release(self, nbytes: int) -> None:
         self.pinned_kept -= nbytes

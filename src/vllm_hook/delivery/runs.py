@@ -3,9 +3,12 @@
 A run is a sequence of decode steps that repeat one routing (`worker.repeat`): the same
 segments, every position one further each step. Each step's pool rows go, by one
 asynchronous copy per pool, into the next slot of a pinned buffer [steps, rows, width]; no
-per-request work happens on the step path. When the run ends, each segment's rows of every
-step are copied out at once, one store chunk per request and run (host time per step is what
-a hooked batch adds to vLLM's, docs/benchmarks.md).
+per-request work happens on the step path. When the run ends, each request's store gets its
+rows of every step as a view of that buffer ([points, steps, width], strided): the fetch copies
+them once, into the payload, as it does any stored rows; copying them out here too cost one
+more pass over every decode row, into fresh memory, per request and run (host time per step is
+what a hooked batch adds to vLLM's, docs/benchmarks.md). Pinned memory is bounded: beyond the
+collector's budget, and for "last" selections (two rows of a whole buffer), rows are copied out.
 """
 
 from __future__ import annotations
@@ -59,18 +62,19 @@ class DecodeRun:
     def ready(self) -> bool:
         return self.closed and (self._event is None or self._event.query())
 
-    def hand_over(self, deliver: Callable[[Segment, torch.Tensor], None]) -> None:
-        """Each segment's rows of every step: [points * steps, width], point-major, as the
-        store keeps a chunk."""
+    def hand_over(self, deliver: Callable[..., None], keep: Callable[[torch.Tensor], bool] | None = None) -> None:
+        """Each segment's rows of every step, [points, steps, width] point-major as the store
+        keeps a chunk: a view of the run's buffer where `keep(view)` (the pinned budget)
+        allows, else a copy."""
         if self._event is not None:
             self._event.synchronize()
         S = self.steps
         for seg in self.template.segments:
             G = len(seg.points)
             first = 0 if not seg.last_only else max(0, S - 2)   # "last" keeps the newest two
-            block = self._bufs[seg.pool][first:S, seg.pool_start:seg.pool_start + G]   # [s, G, W]
-            rows = host_empty((G, S - first, block.shape[-1]), block.dtype)
-            rows.copy_(block.transpose(0, 1))
+            rows = self._bufs[seg.pool][first:S, seg.pool_start:seg.pool_start + G].transpose(0, 1)  # [G, s, W]
+            if seg.last_only or keep is None or not keep(rows):
+                rows = host_empty(rows.shape, rows.dtype).copy_(rows)
             p0 = int(seg.positions[0]) + self.first_step + first
             deliver(Segment(seg.owner, seg.points, 0, np.arange(p0, p0 + S - first, dtype=np.int64),
-                            seg.last_only, seg.pool, seg.rows), rows.view(-1, block.shape[-1]))
+                            seg.last_only, seg.pool, seg.rows), rows, blocked=True)

@@ -58,11 +58,15 @@ class RequestStore:
             self._budget.used += n
 
     def add(self, points: tuple[int, ...], positions: np.ndarray, rows: torch.Tensor,
-            last_only: bool) -> bool:
-        """Keep the rows; False (nothing kept) when they would take the budget past its limit."""
+            last_only: bool, blocked: bool = False) -> bool:
+        """Keep the rows ([points * positions, ...] point-major; `blocked`: already [points,
+        positions, ...], a strided view of a decode run's buffer, `delivery.runs`); False
+        (nothing kept) when they would take the budget past its limit."""
         n = rows.numel() * rows.element_size()
         if self._budget is not None and self._budget.used + n > self._budget.limit:
             return False
+        if not blocked:
+            rows = rows.reshape(len(points), len(positions), *rows.shape[1:])
         chunks = self._chunks.setdefault(points, [])
         chunks.append((positions, rows))
         self._count(n)
@@ -80,7 +84,7 @@ class RequestStore:
         out = []
         for points, chunks in self._chunks.items():
             G = len(points)
-            parts = [c[1].reshape(G, len(c[0]), *c[1].shape[1:]) for c in chunks]
+            parts = [c[1] for c in chunks]           # each [G, its positions, ...]
             pos = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
             # [G, rows of all chunks, ...]: each chunk is G blocks of its own row count
             if len(parts) > 1:

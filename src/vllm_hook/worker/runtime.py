@@ -161,7 +161,7 @@ class HookRuntime:
         # steps that repeated the last routing (over repeated_steps: steady decode); events_s
         # admits and finishes requests (once per request, not per step).
         self.timing = dict.fromkeys(("fetches", "fetch_s", "write_s", "hooked_steps", "step_host_s",
-                                     "events_s", "repeated_steps", "repeated_s", "captures_dropped"), 0.0)
+                                     "events_s", "repeated_steps", "repeated_s", "drain_s", "captures_dropped"), 0.0)
         if cfg.result_spill_dir:
             sweep_spilled(cfg.result_spill_dir, max_age_s=cfg.result_ttl_s)
 
@@ -426,6 +426,7 @@ class HookRuntime:
         t0 = time.perf_counter()
         try:
             self.collector.drain()
+            self.timing["drain_s"] += time.perf_counter() - t0
             self._repeated = self.repeat.next(view)
             if self._repeated is None:
                 self._route(view)
@@ -569,11 +570,11 @@ class HookRuntime:
         finally:
             self._count_host(t0, repeated is not None)
 
-    def _deliver(self, seg: Segment, rows: torch.Tensor) -> None:
+    def _deliver(self, seg: Segment, rows: torch.Tensor, blocked: bool = False) -> None:
         req: HookRequest = seg.owner
         if req.fetched or req.capture_dropped:
             return
-        if not req.store.add(seg.points, seg.positions, rows, seg.last_only):
+        if not req.store.add(seg.points, seg.positions, rows, seg.last_only, blocked):
             # Bounded memory: this request loses its captures, the others keep theirs.
             req.capture_dropped = True
             req.store = RequestStore()
