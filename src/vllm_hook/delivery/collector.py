@@ -160,10 +160,9 @@ class Collector:
         copy_many(pairs)
         return [d for d, _ in pairs] if large else _slices(hosts, segments)
 
-    def _keep(self, view: torch.Tensor) -> bool:
+    def _keep(self, view: torch.Tensor, n: int) -> bool:
         """Whether a view of a run's (pinned) buffer may be kept (it holds the buffer until its
-        store lets it go): within KEEP_PINNED_BYTES, counted by the view's own bytes."""
-        n = view.numel() * view.element_size()
+        store lets it go): within KEEP_PINNED_BYTES, counting `n` bytes for it."""
         if self.pinned_kept + n > KEEP_PINNED_BYTES:
             return False
         self.pinned_kept += n

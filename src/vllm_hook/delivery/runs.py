@@ -8,7 +8,8 @@ rows of every step as a view of that buffer ([points, steps, width], strided): t
 them once, into the payload, as it does any stored rows; copying them out here too cost one
 more pass over every decode row, into fresh memory, per request and run (host time per step is
 what a hooked batch adds to vLLM's, docs/benchmarks.md). Pinned memory is bounded: beyond the
-collector's budget, and for "last" selections (two rows of a whole buffer), rows are copied out.
+collector's budget, and for "last" selections (two rows of a whole buffer), rows are copied out. Each view is charged
+its share of the buffer's capacity, so a run cut short cannot pin more than the budget says.
 """
 
 from __future__ import annotations
@@ -62,18 +63,21 @@ class DecodeRun:
     def ready(self) -> bool:
         return self.closed and (self._event is None or self._event.query())
 
-    def hand_over(self, deliver: Callable[..., None], keep: Callable[[torch.Tensor], bool] | None = None) -> None:
+    def hand_over(self, deliver: Callable[..., None], keep: Callable[[torch.Tensor, int], bool] | None = None) -> None:
         """Each segment's rows of every step, [points, steps, width] point-major as the store
-        keeps a chunk: a view of the run's buffer where `keep(view)` (the pinned budget)
-        allows, else a copy."""
+        keeps a chunk: a view of the run's buffer where `keep(view, bytes)` (the pinned budget)
+        allows, else a copy. A view holds the whole buffer: it is charged its share of the
+        buffer's capacity, not only of the steps it holds (a run cut short keeps a buffer
+        sized for a full one)."""
         if self._event is not None:
             self._event.synchronize()
         S = self.steps
+        share = self.capacity / max(S, 1)
         for seg in self.template.segments:
             G = len(seg.points)
             first = 0 if not seg.last_only else max(0, S - 2)   # "last" keeps the newest two
             rows = self._bufs[seg.pool][first:S, seg.pool_start:seg.pool_start + G].transpose(0, 1)  # [G, s, W]
-            if seg.last_only or keep is None or not keep(rows):
+            if seg.last_only or keep is None or not keep(rows, int(rows.numel() * rows.element_size() * share)):
                 rows = host_empty(rows.shape, rows.dtype).copy_(rows)
             p0 = int(seg.positions[0]) + self.first_step + first
             deliver(Segment(seg.owner, seg.points, 0, np.arange(p0, p0 + S - first, dtype=np.int64),
