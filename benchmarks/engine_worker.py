@@ -8,6 +8,7 @@ own log lines go to the same stream; the coordinator parses start-up figures fro
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -87,6 +88,15 @@ def main() -> None:
         return out
 
     core.get_output = timed_get_output
+    gc_s = [0.0, 0.0, 0.0]      # seconds in Python's cyclic collector: total, current start, last run's
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_s[1] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - gc_s[1]
+
+    gc.callbacks.append(on_gc)
 
     def run(cmd):
         n, plen, gen = cmd["n"], cmd["prompt_len"], cmd["max_tokens"]
@@ -96,7 +106,7 @@ def main() -> None:
                               extra_args={"vllm_hook": s} if (s and hook) else None) for s in specs]
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         steps.clear()
-        t = time.perf_counter()
+        t, g = time.perf_counter(), gc_s[0]
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
         nbytes = 0
         if hook:
@@ -105,6 +115,7 @@ def main() -> None:
                     for per_layer in hook.results(o).activations.values():
                         nbytes += sum(x.numel() * elt for x in per_layer.values())  # as captured
         dt = time.perf_counter() - t
+        gc_s[2] = gc_s[0] - g
         return outs, dt, nbytes
 
     def decode_tpot(outs) -> float | None:
@@ -152,7 +163,7 @@ def main() -> None:
                 reply({"bye": True})
                 break
             if op == "time":
-                times, tpots, step_tpots, spread, clocks, host_us, repeat_us, nbytes = [], [], [], [], [], [], [], 0
+                times, gcs, tpots, step_tpots, spread, clocks, host_us, repeat_us, nbytes = [], [], [], [], [], [], [], [], 0
                 for _ in range(cmd.get("reps", 1)):
                     before = hook.stats(llm)["timing"] if hook else None
                     # A new prompt every time: a repeated one would hit vLLM's prefix cache,
@@ -160,6 +171,7 @@ def main() -> None:
                     # 16 timed cached native prefills against recomputed captures).
                     outs, dt, nbytes = run({**cmd, "seed": 1 + next(fresh)})
                     times.append(dt)
+                    gcs.append(gc_s[2])
                     tpots.append(decode_tpot(outs))
                     med, pct = step_tpot()
                     step_tpots.append(med)
@@ -168,7 +180,7 @@ def main() -> None:
                     after = hook.stats(llm)["timing"] if hook else None
                     host_us.append(step_host_us(before, after) if hook else None)
                     repeat_us.append(step_host_us(before, after, "repeated_steps", "repeated_s") if hook else None)
-                reply({"times": times, "decode_tpot": tpots, "step_tpot": step_tpots, "capture_bytes": nbytes,
+                reply({"times": times, "gc_s": gcs, "decode_tpot": tpots, "step_tpot": step_tpots, "capture_bytes": nbytes,
                        "step_ms_p10_p50_p90": spread, "sm_clock_mhz": clocks, "step_host_us": host_us,
                        "repeat_host_us": repeat_us})
             elif op == "outputs":

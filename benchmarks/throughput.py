@@ -32,6 +32,7 @@ STAGES = {  # counter (frontend or worker timing) -> stage name
     "frontend.admit_s": "admission (parse, resolve)", "worker.events_s": "worker admit/finish",
     "worker.step_host_s": "routing (per step)", "worker.drain_s": "of which stored (hand-over)",
     "worker.repeated_s": "of which repeated steps", "worker.write_s": "worker write",
+    "worker.fetch_s": "worker fetch (incl. write)",
     "frontend.fetch_rpc_s": "fetch RPC (incl. worker write)", "frontend.read_s": "frontend read",
     "frontend.build_s": "Results build"}
 
@@ -39,7 +40,7 @@ STAGES = {  # counter (frontend or worker timing) -> stage name
 def timed(w, n, plen, gen, specs, seed):
     r = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": gen, "specs": specs, "reps": 1,
                 "seed0": seed}, timeout=1800)
-    return r["times"][0]
+    return r["times"][0], r["gc_s"][0]
 
 
 def counters(w) -> dict:
@@ -54,21 +55,25 @@ def run_case(native, plugin, name, spec_of, n, plen, gen, reps) -> dict:
     rows = []
     before = counters(plugin)
     for rep in range(reps):
-        tn = timed(native, n, plen, gen, None, rep) if native is not None else None
+        tn, _ = timed(native, n, plen, gen, None, rep) if native is not None else (None, 0.0)
         if rep % 2:
-            tu = timed(plugin, n, plen, gen, None, rep)
-            th = timed(plugin, n, plen, gen, specs, rep)
+            tu, gu = timed(plugin, n, plen, gen, None, rep)
+            th, gh = timed(plugin, n, plen, gen, specs, rep)
         else:
-            th = timed(plugin, n, plen, gen, specs, rep)
-            tu = timed(plugin, n, plen, gen, None, rep)
-        rows.append({"native_s": tn if tn is not None else tu, "unhooked_s": tu, "hooked_s": th})
+            th, gh = timed(plugin, n, plen, gen, specs, rep)
+            tu, gu = timed(plugin, n, plen, gen, None, rep)
+        # gc: seconds the frontend spent in Python's cyclic collector within the timing
+        rows.append({"native_s": tn if tn is not None else tu, "unhooked_s": tu, "hooked_s": th,
+                     "unhooked_gc_s": gu, "hooked_gc_s": gh})
     after = counters(plugin)
     hooked_requests = n * reps
     stages = {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / hooked_requests for k, label in STAGES.items()}
-    res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows, "host_us_per_request": stages}
+    res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows, "host_us_per_request": stages,
+           "fetch_rpcs_per_rep": (after.get("frontend.fetches", 0) - before.get("frontend.fetches", 0)) / reps}
     for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s")):
         res[est] = median_ci([r[num] / r[den] for r in rows])
     res["tokens_per_s_native"] = n * gen / min(r["native_s"] for r in rows)
+    res["gc_ms"] = [1e3 * median_ci([r[k] for r in rows])[0] for k in ("hooked_gc_s", "unhooked_gc_s")]
     print(f"  {name:32s} n={n:<4d} {plen}+{gen}: in-engine {res['in_engine'][0]:.3f} "
           f"[{res['in_engine'][1]:.3f}, {res['in_engine'][2]:.3f}]  vs native {res['vs_native'][0]:.3f}  "
           f"host/request " + ", ".join(f"{k.split(' ')[0]} {v:.0f}us" for k, v in stages.items() if v), flush=True)
@@ -89,18 +94,22 @@ def report(result: dict) -> str:
     m = result["meta"]
     lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
              f"wall {m.get('wall_s', 0):.0f} s. Ratios: median [95 % bootstrap interval] over reps.", "",
-             "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | target |",
-             "|---|---|---|---|---|---|"]
+             "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | target "
+             "| frontend's garbage collection, ms: hooked / unhooked |",
+             "|---|---|---|---|---|---|---|"]
     for r in result.get("cases", []):
         ie = r["in_engine"]
+        gc_ms = r.get("gc_ms")
         lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
-                     f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {verdict(r)} |")
+                     f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {verdict(r)} | "
+                     + (f"{gc_ms[0]:.1f} / {gc_ms[1]:.1f} |" if gc_ms else "– |"))
     lines += ["", "Plugin host time per hooked request by stage (µs, from its counters):", "",
-              "| workload | requests | gen | " + " | ".join(STAGES.values()) + " |",
-              "|---|---|---|" + "---|" * len(STAGES)]
+              "| workload | requests | gen | " + " | ".join(STAGES.values()) + " | fetch RPCs per batch |",
+              "|---|---|---|" + "---|" * (len(STAGES) + 1)]
     for r in result.get("cases", []):
         lines.append(f"| {r['workload']} | {r['n']} | {r['gen']} | " +
-                     " | ".join(f"{r['host_us_per_request'][s]:.0f}" for s in STAGES.values()) + " |")
+                     " | ".join(f"{r['host_us_per_request'][s]:.0f}" for s in STAGES.values()) +
+                     f" | {r.get('fetch_rpcs_per_rep', 0):.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -176,6 +176,38 @@ def test_resolution_cache_one_resolve_per_distinct_spec():
     assert cache_key({"steer": [{"op": "add", "layer": 0, "vector": torch.ones(8)}]}) == (None, [])
 
 
+def test_sealed_spec_rides_through_vllms_copy_and_is_admitted_as_given():
+    """vLLM deep-copies each request's SamplingParams: the raw spec rides through as one
+    object (not copied op by op), the caller's params stay as they were, admission reads it."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    from vllm_hook.frontend.admission import Sealed, _admit, sealed
+    from vllm_hook.frontend.state import STATE_ATTR, FrontendState
+    from vllm_hook.model.layout import PointTable
+
+    spec = {"steer": [{"op": "add", "layer": x, "vector": "v", "scale": 1.0} for x in range(4)]}
+    sp = SamplingParams(max_tokens=2, extra_args={"vllm_hook": spec, "other": [1, 2]})
+    before = sp.extra_args
+    with sealed(sp):
+        copy = sp.clone()
+    assert sp.extra_args is before and sp.extra_args["vllm_hook"] is spec
+    assert isinstance(copy.extra_args["vllm_hook"], Sealed) and copy.extra_args["vllm_hook"].raw is spec
+    assert copy.extra_args["other"] == [1, 2] and copy.extra_args["other"] is not before["other"]
+    as_json = SamplingParams(extra_args={"vllm_hook": json.dumps(spec)})
+    with sealed(as_json):                                   # a string copies cheaply: as it is
+        assert isinstance(as_json.extra_args["vllm_hook"], str)
+    st = FrontendState(cfg=CFG, info=INFO, points=PointTable.for_config(4, CFG), max_model_len=64)
+    st.names["v"] = ("d" * 32, 2.0)
+    ip = SimpleNamespace()
+    ip.__dict__[STATE_ATTR] = st
+    req = SimpleNamespace(sampling_params=copy, prompt_token_ids=list(range(8)), cache_salt=None)
+    _admit(ip, "0", req)
+    wire = copy.extra_args["vllm_hook"]
+    assert isinstance(wire, dict) and len(wire["steer"]) == 4 and copy.extra_args["other"] == [1, 2]
+
+
 def test_size_bounds_keep_the_check_short():
     """What bounds the time one spec's check takes in the API server's event loop."""
     from vllm_hook.spec.resolve import MAX_CAPTURE_ENTRIES

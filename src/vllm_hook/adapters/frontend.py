@@ -80,10 +80,13 @@ def _stamp_config(orig):
 
 
 def _process_inputs(orig):
-    from ..frontend.admission import admit
+    from ..frontend.admission import admit, sealed
 
     def process_inputs(self, request_id, *args, **kwargs):
-        request = orig(self, request_id, *args, **kwargs)
+        # process_inputs(request_id, prompt, params, ...) in every supported version
+        params = kwargs["params"] if "params" in kwargs else (args[1] if len(args) > 1 else None)
+        with sealed(params):
+            request = orig(self, request_id, *args, **kwargs)
         admit(self, request_id, request)
         return request
     return process_inputs
