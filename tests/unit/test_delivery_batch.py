@@ -250,3 +250,31 @@ def test_collector_falls_back_when_the_arena_is_full():
     got.clear()
     gc.collect()
     assert c.arena.stats()["arena_used_bytes"] == 0 and c.arena._free == [(HEADER, c.arena.size - HEADER)]
+
+
+def test_offline_fetch_pauses_the_collector_from_the_rpc_on():
+    """Decoding a fetch's reply allocates per request; a full collection it would trigger walks
+    the whole heap (run 61: 80 ms in one fetch of 256). The RPC runs with the collector
+    paused, which comes back on even when the fetch fails (every output keeps its tokens)."""
+    import gc
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend.delivery import attach
+    from vllm_hook.results import ATTR
+
+    seen = []
+
+    def rpc(method, args):
+        seen.append((args[0], gc.isenabled()))
+        raise RuntimeError("worker gone")
+
+    res = SimpleNamespace(key="k0")
+    st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), timing={"fetch_rpc_s": 0.0, "fetches": 0},
+                         pop_pending=lambda rid: res if rid == "r0" else None)
+    out = SimpleNamespace(request_id="r0", finished=True, prompt_token_ids=[1, 2],
+                          outputs=[SimpleNamespace(token_ids=[3], index=0)])
+    assert gc.isenabled()
+    attach(st, [out], rpc)
+    assert seen == [("fetch", False), ("discard", False)] and gc.isenabled()
+    got = getattr(out, ATTR)
+    assert got.token_ids == [1, 2, 3] and "could not be fetched" in got.errors[0]

@@ -141,6 +141,8 @@ def test_routing_matches_a_row_by_row_reference_on_random_batches():
             steer = tuple(SteerRoute(col=int(c), entry=int(100 * (r + 1) + c), sel=sels[k][0], pos=sels[k][1])
                           for c, k in zip(rng.choice(cols, rng.integers(0, 4), replace=False),
                                           rng.integers(0, len(sels), 4)))
+            if entries and rng.random() < 0.5:   # steering alike: the worker shares one routes tuple
+                steer = entries[-1][1].steer
             capture = tuple(CaptureRoute(point=int(pt), sels=(sels[int(rng.integers(0, len(sels)))],),
                                          pool=int(rng.integers(0, 2)))
                             for pt in rng.choice(n_points, rng.integers(0, 4), replace=False))
