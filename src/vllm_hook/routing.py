@@ -39,14 +39,18 @@ class RequestRoutes:
     capture: tuple[CaptureRoute, ...] = ()
 
     @cached_property
-    def steer_groups(self) -> tuple[tuple[str, tuple[int, ...], np.ndarray, np.ndarray], ...]:
-        """Steering routes grouped by selector: (sel, pos, columns, op_idx values). One write per
-        group and step, not one per op (a request steering every layer has one group)."""
+    def steer_groups(self) -> tuple[tuple[str, tuple[int, ...], np.ndarray, np.ndarray, Any], ...]:
+        """Steering routes grouped by selector: (sel, pos, columns, op_idx values, the columns
+        as a slice where they are evenly spaced, else the array). One write per group and
+        step, not one per op (a request steering every layer has one group)."""
         groups: dict[tuple, list[SteerRoute]] = {}
         for r in self.steer:
             groups.setdefault((r.sel, r.pos), []).append(r)
-        return tuple((sel, pos, np.array([r.col for r in g], dtype=np.int64),
-                      np.array([r.entry for r in g], dtype=np.int64)) for (sel, pos), g in groups.items())
+        out = []
+        for (sel, pos), g in groups.items():
+            cols = np.array([r.col for r in g], dtype=np.int64)
+            out.append((sel, pos, cols, np.array([r.entry for r in g], dtype=np.int64), _as_slice(cols)))
+        return tuple(out)
 
     @cached_property
     def capture_groups(self) -> tuple[tuple[tuple, int, bool, np.ndarray, tuple[int, ...]], ...]:
@@ -136,7 +140,7 @@ def route_step(
         P = routes.prompt_len
         if rows.count == 1:
             p, row = rows.first_pos, rows.start
-            for sel, pos, cols, values in routes.steer_groups:
+            for sel, pos, cols, values, _ in routes.steer_groups:
                 if selected_mask(sel, pos, p, P):
                     one_rows.append(row)
                     one_cols.append(cols)
@@ -158,12 +162,14 @@ def route_step(
             continue
         first, count, start = rows.first_pos, rows.count, rows.start
         positions = None
-        for sel, pos, cols, values in routes.steer_groups:
+        for sel, pos, cols, values, col_slice in routes.steer_groups:
             span = _span(sel, P, first, count)
             if span is not None:              # a contiguous range of the chunk: a slice
                 a, b = span
                 if a < b:
-                    op_idx[start + a:start + b, cols] = values
+                    # Columns as a slice where they can be: a strided copy, about twice as
+                    # fast as an indexed one (a prompt chunk of an all-layer spec: 28 x rows)
+                    op_idx[start + a:start + b, col_slice] = values
                     out.steered_upto = max(out.steered_upto, start + b)
                 continue
             if positions is None:
@@ -211,6 +217,16 @@ def route_step(
             np.concatenate(one_vals)
         out.steered_upto = max(out.steered_upto, max(one_rows) + 1)
     return out
+
+
+def _as_slice(cols: np.ndarray) -> slice | np.ndarray:
+    """`cols` as the slice that selects them in order when they rise evenly, else `cols`."""
+    if len(cols) < 2:
+        return slice(int(cols[0]), int(cols[0]) + 1) if len(cols) else cols
+    step = int(cols[1] - cols[0])
+    if step > 0 and np.array_equal(np.diff(cols), np.full(len(cols) - 1, step)):
+        return slice(int(cols[0]), int(cols[-1]) + 1, step)
+    return cols
 
 
 def _span(sel: str, P: int, first: int, count: int) -> tuple[int, int] | None:

@@ -260,3 +260,17 @@ def test_selector_spans_equal_the_masks():
                     mask = selected_mask(sel, [], first + np.arange(count), P)
                     assert np.flatnonzero(mask).tolist() == list(range(a, b)), (sel, P, first, count)
     assert _span("pos", 3, 0, 4) is None
+
+
+def test_evenly_spaced_columns_are_written_as_a_slice():
+    from vllm_hook.routing import _as_slice
+
+    a = np.zeros((3, 10), np.int64)
+    for cols in ([0, 2, 4, 6], [3], [1, 2, 3], [5, 1], [0, 1, 3], []):
+        c = np.array(cols, dtype=np.int64)
+        s = _as_slice(c)
+        assert isinstance(s, slice) == (len(cols) == 1 or (len(cols) > 1 and cols in ([0, 2, 4, 6], [1, 2, 3])))
+        b, ref = a.copy(), a.copy()
+        b[:, s] = np.arange(len(cols)) + 1
+        ref[:, c] = np.arange(len(cols)) + 1
+        assert np.array_equal(b, ref), cols
