@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
-from vllm_hook.delivery.spill import spill_target  # noqa: E402
+from vllm_hook.delivery.spill import open_entry, spill_target, write_spilled  # noqa: E402
 from vllm_hook.frontend.admission import _admit  # noqa: E402
 from vllm_hook.frontend.delivery import Opened, merge_ranks, no_gc  # noqa: E402
 from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
@@ -130,6 +130,11 @@ def main() -> None:
         rt.on_events(SchedulerEvents(finished=frozenset(rt.requests)))
         t_finish = (time.perf_counter() - t) / n
         keys = [r.sampling_params.extra_args["vllm_hook"]["key"] for r in reqs]
+        if stored:
+            # An engine in its steady state has a handed-back file to write into (the first
+            # fetch of a process writes a fresh one): make one as large as this payload.
+            open_entry({"path": write_spilled({"x": torch.empty(stored + (1 << 20), dtype=torch.uint8)}, {},
+                                              spill["dir"])})
         t = time.perf_counter()
         fetched = merge_ranks([rt.fetch(keys, spill)])
         t_fetch = (time.perf_counter() - t) / n

@@ -278,3 +278,27 @@ def test_offline_fetch_pauses_the_collector_from_the_rpc_on():
     assert seen == [("fetch", False), ("discard", False)] and gc.isenabled()
     got = getattr(out, ATTR)
     assert got.token_ids == [1, 2, 3] and "could not be fetched" in got.errors[0]
+
+
+def test_rows_of_several_chunks_are_written_part_by_part(tmp_path):
+    """A request's rows from several steps (a prompt chunk, then a decode run's strided view)
+    reach the payload part by part, with no concatenated copy first: the same bytes as their
+    concatenation, through a fresh file, a reused one and the RPC's bytes."""
+    from vllm_hook.delivery.hostmem import Chunked
+
+    g = torch.Generator().manual_seed(0)
+    run = torch.randn(6, 10, H, generator=g).bfloat16()          # a decode run: [steps, rows, width]
+    s = RequestStore()
+    s.add((0, 2), np.arange(4), torch.randn(8, H, generator=g).bfloat16(), False)      # prompt, point-major
+    s.add((0, 2), np.arange(4, 10), run[:, 3:5].transpose(0, 1), False, blocked=True)  # [points, steps, width]
+    tensors = s._tensors()
+    assert isinstance(tensors["g0-2"], Chunked) and tensors["g0-2"].shape == (2, 10, H)
+    (_, pos, ref), = s.blocks()
+    assert torch.equal(ref[:, 4:], run[:, 3:5].transpose(0, 1))
+    target = spill.spill_target(str(tmp_path))
+    for where in (target, target, None):          # a fresh file, the handed-back one reused, bytes
+        wire = batch_to_wire([({"req_id": "r0"}, tensors)], where)
+        assert ("path" in wire) == (where is not None)
+        (pts, _), = parse_batch(spill.open_entry(wire))
+        assert torch.equal(pts[0][1], ref[0]) and torch.equal(pts[2][1], ref[1])
+        assert pts[0][0].tolist() == list(range(10))

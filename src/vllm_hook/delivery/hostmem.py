@@ -41,6 +41,44 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
+class Chunked:
+    """A tensor [points, rows, ...] kept as the parts it arrived in along dim 1 (a request's
+    decode runs, each a strided view of its run's buffer): a payload write copies each part
+    once, straight to its place, instead of through a concatenated copy first. `tensor()`
+    concatenates it where a real tensor is needed."""
+
+    __slots__ = ("parts", "shape", "dtype")
+
+    def __init__(self, parts: list[torch.Tensor]):
+        self.parts = parts
+        self.shape = torch.Size((parts[0].shape[0], sum(p.shape[1] for p in parts), *parts[0].shape[2:]))
+        self.dtype = parts[0].dtype
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def pairs(self, dst: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, part) copies that fill `dst` (of this shape and dtype)."""
+        out, at = [], 0
+        for p in self.parts:
+            out.append((dst[:, at:at + p.shape[1]], p))
+            at += p.shape[1]
+        return out
+
+    def tensor(self) -> torch.Tensor:
+        return torch.cat(self.parts, dim=1, out=host_empty(tuple(self.shape), self.dtype))
+
+
+def as_tensor(t: "torch.Tensor | Chunked") -> torch.Tensor:
+    return t.tensor() if isinstance(t, Chunked) else t
+
+
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor `t` on `device` without waiting for the device: through pinned memory,
     whose block torch's caching host allocator keeps until the copy is done (a copy from
@@ -118,17 +156,23 @@ def read_into(fd: int, dst: torch.Tensor, offset: int = 0) -> None:
     _in_threads([(_pread, fd, view[a:b], offset + a) for a, b in _pieces(len(view))])
 
 
-def write_mapped(fd: int, size: int, parts: list[tuple[torch.Tensor, int]]) -> None:
-    """Write each contiguous uint8 tensor of `parts` at its offset into file `fd`, whose
-    first `size` bytes must exist (allocated, not sparse), through a shared mapping: tmpfs
-    serialises write() calls to one file on its inode lock, while copies into a mapping run
-    in parallel, and MAP_POPULATE maps every page in one call instead of a fault per page."""
+def write_mapped(fd: int, size: int, parts: list[tuple[torch.Tensor, int]],
+                 chunked: list[tuple[Chunked, int]] = ()) -> None:
+    """Write each contiguous uint8 tensor of `parts` (and each `Chunked` of `chunked`, part by
+    part) at its offset into file `fd`, whose first `size` bytes must exist (allocated, not
+    sparse), through a shared mapping: tmpfs serialises write() calls to one file on its inode
+    lock, while copies into a mapping run in parallel, and MAP_POPULATE maps every page in one
+    call instead of a fault per page."""
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     try:
         dst = torch.frombuffer(m, dtype=torch.uint8)
-        copy_many([(dst[o:o + src.numel()], src) for src, o in parts if src.numel()])
-        del dst
+        pairs = [(dst[o:o + src.numel()], src) for src, o in parts if src.numel()]
+        for c, o in chunked:
+            n = c.numel() * c.element_size()
+            pairs += c.pairs(dst[o:o + n].view(c.dtype).view(c.shape))
+        copy_many(pairs)
+        del dst, pairs
     finally:
         try:
             m.close()

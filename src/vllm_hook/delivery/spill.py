@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .hostmem import host_empty, map_file, read_into, write_mapped, write_new
+from .hostmem import Chunked, host_empty, map_file, read_into, write_mapped, write_new
 
 PREFIX = "vllm_hook-"
 FREE = PREFIX + "free-"
@@ -156,18 +156,22 @@ def write_spilled(tensors: dict[str, torch.Tensor], metadata: dict[str, str], di
             elif capacity > size:
                 os.ftruncate(fd, size)              # no room for the pad entry: a few bytes
             parts, offset = [(torch.frombuffer(bytearray(header), dtype=torch.uint8), 0)], len(header)
+            chunked: list[tuple[Chunked, int]] = []
             for t in tensors.values():
                 n = t.numel() * t.element_size()
-                if n:
+                if n and isinstance(t, Chunked):
+                    chunked.append((t, offset))
+                elif n:
                     parts.append((t.contiguous().view(-1).view(torch.uint8), offset))
                 offset += n
             if capacity is None or capacity < size:
-                write_new(fd, parts)        # fresh pages: the kernel's copy beats mapping them
+                # fresh pages: the kernel's copy beats mapping them
+                write_new(fd, parts + [(c.tensor().view(-1).view(torch.uint8), o) for c, o in chunked])
             else:
                 # Only the bytes written are mapped: a reused file may be far larger than this
                 # result (the pad covers the rest), and mapping all of it cost 100 ms for a
                 # 1.4 GB file holding a few KiB (H200 host).
-                write_mapped(fd, offset, parts)
+                write_mapped(fd, offset, parts, chunked)
         finally:
             os.close(fd)
         os.utime(path)

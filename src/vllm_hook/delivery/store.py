@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from . import spill as spill_mod
-from .hostmem import host_empty
+from .hostmem import Chunked, as_tensor
 
 _DTYPES = {name: dtype for dtype, name in spill_mod.ST_DTYPES.items()}
 
@@ -77,26 +77,25 @@ class RequestStore:
             del chunks[:-2]
         return True
 
-    def blocks(self) -> list[tuple[tuple[int, ...], np.ndarray, torch.Tensor]]:
+    def blocks(self, chunked: bool = False) -> list[tuple[tuple[int, ...], np.ndarray, Any]]:
         """[(points, positions, rows [len(points), len(positions), ...])], positions ascending,
         newest copy of each. Rows are views of the stored blocks where no reordering is needed
-        (the common case: one prefill chunk, or steps in order without recomputation)."""
+        (the common case: one prefill chunk, or steps in order without recomputation); rows of
+        several chunks are concatenated, or with `chunked` left as a `Chunked` of them (the
+        fetch writes each part straight into its payload: one copy, not two)."""
         out = []
         for points, chunks in self._chunks.items():
-            G = len(points)
             parts = [c[1] for c in chunks]           # each [G, its positions, ...]
             pos = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
             # [G, rows of all chunks, ...]: each chunk is G blocks of its own row count
-            if len(parts) > 1:
-                shape = (G, sum(p.shape[1] for p in parts), *parts[0].shape[2:])
-                blocks = torch.cat(parts, dim=1, out=host_empty(shape, parts[0].dtype))
-            else:
-                blocks = parts[0]
+            blocks = Chunked(parts) if len(parts) > 1 else parts[0]
             if len(pos) > 1 and not bool(np.all(pos[1:] > pos[:-1])):
                 # Recomputed or reordered positions: keep the newest copy of each, in order.
                 rev = pos[::-1]
                 pos, first_in_rev = np.unique(rev, return_index=True)
-                blocks = blocks[:, torch.from_numpy(len(rev) - 1 - first_in_rev)]
+                blocks = as_tensor(blocks)[:, torch.from_numpy(len(rev) - 1 - first_in_rev)]
+            elif not chunked:
+                blocks = as_tensor(blocks)
             out.append((points, pos, blocks))
         return out
 
@@ -105,19 +104,20 @@ class RequestStore:
         return {point: (pos, blocks[g]) for points, pos, blocks in self.blocks()
                 for g, point in enumerate(points)}
 
-    def _tensors(self, extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def _tensors(self, extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         # Per group of points: its positions (int64) and its rows [points, rows, ...], the
-        # points of a group back to back, so the frontend converts them in one copy.
+        # points of a group back to back, so the frontend converts them in one copy. Rows of
+        # several chunks stay a `Chunked` (`as_tensor` where a tensor is needed).
         tensors = {}
-        for points, pos, blocks in sorted(self.blocks(), key=lambda b: b[0]):
+        for points, pos, blocks in sorted(self.blocks(chunked=True), key=lambda b: b[0]):
             name = group_name(points)
             tensors[name + ".pos"] = torch.from_numpy(pos.astype(np.int64, copy=False))
-            tensors[name] = blocks.contiguous()
+            tensors[name] = blocks if isinstance(blocks, Chunked) else blocks.contiguous()
         tensors.update(extra or {})
         return tensors
 
     def to_bytes(self, meta: dict, extra: dict[str, torch.Tensor] | None = None) -> bytes:
-        return st_save(self._tensors(extra), metadata={"vllm_hook": json.dumps(meta)})
+        return _st_bytes(self._tensors(extra), {"vllm_hook": json.dumps(meta)})
 
     def to_wire(self, meta: dict, spill: dict | None, extra: dict[str, torch.Tensor] | None = None
                 ) -> dict[str, Any]:
@@ -131,6 +131,10 @@ class RequestStore:
             except OSError:     # full (a container's small /dev/shm) or vanished: use the RPC
                 pass
         return {"blob": self.to_bytes(meta, extra)}
+
+
+def _st_bytes(tensors: dict[str, Any], metadata: dict[str, str]) -> bytes:
+    return st_save({k: as_tensor(t) for k, t in tensors.items()}, metadata=metadata)
 
 
 PACK_BELOW = 64 << 10      # tensors smaller than this are concatenated across a fetch's requests
@@ -189,7 +193,7 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
         rest = (first.shape[:ax], first.shape[ax + 1:])
         if len(items) > 1 and all(t.dim() > ax and t.dtype == first.dtype and (t.shape[:ax], t.shape[ax + 1:]) == rest
                                   and t.numel() * t.element_size() < PACK_BELOW for _, t in items):
-            tensors[name] = torch.cat([t for _, t in items], dim=ax)
+            tensors[name] = torch.cat([as_tensor(t) for _, t in items], dim=ax)
             at = 0
             for j, t in items:
                 n = t.shape[ax]
@@ -197,7 +201,8 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
                 at += n
         else:
             for j, t in items:
-                ref = arena.lend(t) if arena is not None and t.numel() * t.element_size() >= PACK_BELOW else None
+                ref = arena.lend(t) if (arena is not None and isinstance(t, torch.Tensor)
+                                        and t.numel() * t.element_size() >= PACK_BELOW) else None
                 if ref is None:
                     tensors[f"{j}/{name}"] = t
                 else:
@@ -213,7 +218,7 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
                 return {"path": spill_mod.write_spilled(tensors, meta, spill["dir"]), **extra}
             except OSError:     # full (a container's small /dev/shm) or vanished: use the RPC
                 pass
-        return {"blob": st_save(tensors, metadata=meta), **extra}
+        return {"blob": _st_bytes(tensors, meta), **extra}
     except BaseException:
         if refs:
             arena.unlend(refs.values())      # this reply is not sent: its pieces stay here
