@@ -68,13 +68,17 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(cfg["model"], **kwargs)
     startup = time.perf_counter() - t0
+    if cfg.get("frontend_threads"):
+        torch.set_num_threads(int(cfg["frontend_threads"]))      # this (the frontend) process only
+    threads = {"frontend_torch_threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)),
+               **{k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}}
     vocab = llm.llm_engine.model_config.get_vocab_size()
     elt = torch.tensor([], dtype=llm.llm_engine.model_config.dtype).element_size()
     hook = None
     if not cfg.get("native"):
         import vllm_hook as hook
     stats = hook.stats(llm) if hook else {}
-    reply({"ready": True, "startup_s": startup, "stats": stats, "vocab": vocab})
+    reply({"ready": True, "startup_s": startup, "stats": stats, "vocab": vocab, "threads": threads})
 
     fresh = itertools.count()
     steps: list[tuple[float, int]] = []      # (engine core's timestamp, request outputs) per step

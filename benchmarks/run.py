@@ -96,10 +96,13 @@ class Worker:
             self.proc.kill()
 
 
-def start(name, model, llm_kwargs, log_dir, native=False, timeout=900, cpus=None, env=None) -> tuple[Worker, dict]:
-    w = Worker(name, {"model": model, "llm": llm_kwargs, "native": native, "env": env}, log_dir, cpus)
+def start(name, model, llm_kwargs, log_dir, native=False, timeout=900, cpus=None, env=None,
+          frontend_threads=None) -> tuple[Worker, dict]:
+    w = Worker(name, {"model": model, "llm": llm_kwargs, "native": native, "env": env,
+                      "frontend_threads": frontend_threads}, log_dir, cpus)
     ready = w.wait(timeout)
-    info = {"startup_s": ready["startup_s"], **w.figures, "stats": ready.get("stats", {})}
+    info = {"startup_s": ready["startup_s"], **w.figures, "threads": ready.get("threads"),
+            "stats": ready.get("stats", {})}
     print(f"[{name}] ready: {json.dumps({k: v for k, v in info.items() if k != 'stats'})}", flush=True)
     return w, info
 

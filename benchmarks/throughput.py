@@ -93,7 +93,8 @@ def verdict(case: dict) -> str:
 def report(result: dict) -> str:
     m = result["meta"]
     lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
-             f"wall {m.get('wall_s', 0):.0f} s. Ratios: median [95 % bootstrap interval] over reps.", "",
+             f"wall {m.get('wall_s', 0):.0f} s. Ratios: median [95 % bootstrap interval] over reps.",
+             f"Engines' threads: {json.dumps({k: v.get('threads') for k, v in result.get('startup', {}).items()})}", "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | target "
              "| frontend's garbage collection, ms: hooked / unhooked |",
              "|---|---|---|---|---|---|---|"]
@@ -127,6 +128,10 @@ def main() -> None:
                     help='more vllm_hook settings for the plugin engine, JSON (e.g. \'{"result_arena_bytes": 0}\')')
     ap.add_argument("--no-native", action="store_true",
                     help="no native engine (\"vs native\" then reads the plugin engine unhooked)")
+    ap.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="environment of every engine process (e.g. OMP_WAIT_POLICY=PASSIVE)")
+    ap.add_argument("--frontend-threads", type=int,
+                    help="torch.set_num_threads in every engine's frontend process after start-up")
     ap.add_argument("--gpu-mem", type=float, default=0.35)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     args = ap.parse_args()
@@ -151,7 +156,8 @@ def main() -> None:
                                     # every layer of a full 16,384-token step: 458,752 rows (run 40
                                     # stopped at 1 << 17)
                                     ("plugin", False, {"additional_config": {"vllm_hook": plugin_cfg}}),):
-            w, info = start(name, model, {**base, **extra}, out, native=native)
+            w, info = start(name, model, {**base, **extra}, out, native=native,
+                            env=dict(kv.split("=", 1) for kv in args.env), frontend_threads=args.frontend_threads)
             engines[name] = w
             result["startup"][name] = {k: v for k, v in info.items() if k != "stats"}
         engines["plugin"].call({"op": "register_bench_vectors", "hidden": cfg["hidden_size"]})

@@ -37,20 +37,13 @@ class RequestRoutes:
     prompt_len: int
     steer: tuple[SteerRoute, ...] = ()
     capture: tuple[CaptureRoute, ...] = ()
+    # `steer_groups` made once for every request steering alike (`group_steering(steer)`)
+    shared_groups: tuple | None = field(default=None, compare=False, repr=False)
 
     @cached_property
     def steer_groups(self) -> tuple[tuple[str, tuple[int, ...], np.ndarray, np.ndarray, Any], ...]:
-        """Steering routes grouped by selector: (sel, pos, columns, op_idx values, the columns
-        as a slice where they are evenly spaced, else the array). One write per group and
-        step, not one per op (a request steering every layer has one group)."""
-        groups: dict[tuple, list[SteerRoute]] = {}
-        for r in self.steer:
-            groups.setdefault((r.sel, r.pos), []).append(r)
-        out = []
-        for (sel, pos), g in groups.items():
-            cols = np.array([r.col for r in g], dtype=np.int64)
-            out.append((sel, pos, cols, np.array([r.entry for r in g], dtype=np.int64), _as_slice(cols)))
-        return tuple(out)
+        """Steering routes grouped by selector (`group_steering`)."""
+        return self.shared_groups if self.shared_groups is not None else group_steering(self.steer)
 
     @cached_property
     def capture_groups(self) -> tuple[tuple[tuple, int, bool, np.ndarray, tuple[int, ...]], ...]:
@@ -67,20 +60,39 @@ class RequestRoutes:
         """From this position on, every route selects the same (each position or none): a
         decode step of this request routes like the one before it (`worker.repeat`)."""
         start = self.prompt_len
-        for sel, pos in [(r.sel, r.pos) for r in self.steer] + [s for c in self.capture for s in c.sels]:
+        for sel, pos in self._selectors():
             if sel == "pos" and pos:
                 start = max(start, max(pos) + 1)
         return start
+
+    def _selectors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every distinct steering selector (one per group: an all-layer spec has one) and
+        every capture selector."""
+        return [(g[0], g[1]) for g in self.steer_groups] + [s for c in self.capture for s in c.sels]
 
     @property
     def horizon(self) -> float:
         """The largest position any route may still select (inf when open-ended)."""
         h = -1.0
-        for sel, pos in [(r.sel, r.pos) for r in self.steer] + [s for c in self.capture for s in c.sels]:
+        for sel, pos in self._selectors():
             if sel in ("all", "generated", "last"):
                 return float("inf")
             h = max(h, self.prompt_len - 1 if sel in ("prompt", "last_prompt") else max(pos))
         return h
+
+
+def group_steering(steer: Sequence[SteerRoute]) -> tuple[tuple[str, tuple[int, ...], np.ndarray, np.ndarray, Any], ...]:
+    """Steering routes grouped by selector: (sel, pos, columns, op_idx values, the columns as
+    a slice where they are evenly spaced, else the array). One write per group and step, not
+    one per op (a request steering every layer has one group)."""
+    groups: dict[tuple, list[SteerRoute]] = {}
+    for r in steer:
+        groups.setdefault((r.sel, r.pos), []).append(r)
+    out = []
+    for (sel, pos), g in groups.items():
+        cols = np.array([r.col for r in g], dtype=np.int64)
+        out.append((sel, pos, cols, np.array([r.entry for r in g], dtype=np.int64), _as_slice(cols)))
+    return tuple(out)
 
 
 class Rows(NamedTuple):          # built per hooked request and step: a tuple is cheapest

@@ -302,3 +302,49 @@ def test_rows_of_several_chunks_are_written_part_by_part(tmp_path):
         (pts, _), = parse_batch(spill.open_entry(wire))
         assert torch.equal(pts[0][1], ref[0]) and torch.equal(pts[2][1], ref[1])
         assert pts[0][0].tolist() == list(range(10))
+
+
+def test_small_host_ops_run_on_one_thread_large_copies_on_torchs(monkeypatch):
+    """Waking torch's sleeping threads for a small tensor cost about a millisecond a parallel
+    op on the H200 host (run 65): the plugin's host work runs on one thread; a copy of 4 MiB
+    and more gets torch's threads back, and the count is restored after, also on an error."""
+    from vllm_hook.delivery import hostmem
+
+    n0 = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+    real = torch.Tensor.copy_
+
+    def spy(self, src, *a, **k):
+        seen.append((self.numel() * self.element_size(), torch.get_num_threads()))
+        return real(self, src, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    small, large = torch.empty(1024), torch.empty(2 << 20)           # 4 KiB, 8 MiB
+    with hostmem.one_thread():
+        assert torch.get_num_threads() == 1
+        with hostmem.one_thread():                                    # nested: unchanged
+            assert torch.get_num_threads() == 1
+        hostmem.copy_many([(small, torch.ones(1024))])
+        hostmem.copy_many([(large, torch.ones(2 << 20, dtype=torch.bfloat16))])
+        assert torch.get_num_threads() == 1
+    assert seen == [(4096, 1), (8 << 20, 2)] and torch.get_num_threads() == 2
+    assert large.sum().item() == 2 << 20
+    # Many large parts (a payload's): the plugin's own threads, when it has more than one.
+    import threading
+
+    names = set()
+    seen.clear()
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (
+        names.add(threading.current_thread().name), real(self, src, *a, **k))[1])
+    dsts = [torch.empty(1 << 18) for _ in range(8)]                     # 8 x 1 MiB, apart
+    with hostmem.one_thread():
+        hostmem.copy_many([(d, torch.full((1 << 18,), float(i))) for i, d in enumerate(dsts)])
+    assert [d[0].item() for d in dsts] == list(range(8))
+    if hostmem.COPY_THREADS > 1:
+        assert threading.current_thread().name not in names
+    with pytest.raises(RuntimeError):
+        with hostmem.one_thread():
+            raise RuntimeError
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(n0)

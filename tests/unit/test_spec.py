@@ -10,6 +10,7 @@ import pytest
 
 from vllm_hook.config import HookConfig
 from vllm_hook.spec import ModelInfo, SpecError, UnknownVectorError, encode_vector, parse_spec, resolve
+from vllm_hook.spec.resolve import unpack_steer
 from vllm_hook.spec.vectors import decode_vector
 
 INFO = ModelInfo(num_layers=4, hidden_size=8, name="tiny")
@@ -104,6 +105,8 @@ def test_coefficients():
         {"op": "cap", "layer": 2, "vector": V, "max": 1.5},
         {"op": "ablate", "layer": 3, "vector": V, "scale": 0.25},
     ]}).wire["steer"]
+    assert isinstance(w, bytes)                # one blob through vLLM's serialisation
+    w = unpack_steer(w)
     inf = math.inf
     assert [s["c"] for s in w] == [[2.0, 0, 0, -inf, inf], [0, 0.5, 0, -inf, inf],
                                    [0, 0, 0, -inf, 1.5], [0, 0, -0.75, -inf, inf]]
@@ -130,7 +133,8 @@ def test_steering_salts_and_capture_skips_cache():
 
 def test_named_vector_resolves_to_digest():
     r = R({"steer": [{"op": "add", "layer": 0, "vector": "calm"}]}, names={"calm": ("abc", 1.0)})
-    assert r.wire["steer"][0]["name"] == "calm" and r.wire["steer"][0]["digest"] == "abc"
+    op = unpack_steer(r.wire["steer"])[0]
+    assert op["name"] == "calm" and op["digest"] == "abc"
 
 
 def test_empty_spec():
@@ -162,13 +166,13 @@ def test_resolution_cache_one_resolve_per_distinct_spec():
     assert st.resolved.hits == 1                            # b; c has another prompt length
     assert wa["key"] != wb["key"] and {k: v for k, v in wa.items() if k != "key"} == \
         {k: v for k, v in wb.items() if k != "key"}
-    assert wc["steer"][0]["pos"] == [11] and wa["steer"][0]["pos"] == [9]
+    assert unpack_steer(wc["steer"])[0]["pos"] == [11] and unpack_steer(wa["steer"])[0]["pos"] == [9]
     assert a.cache_salt == b.cache_salt                     # same steering: the same prefix-cache salt
     st.names["v"] = ("e" * 32, 2.0)
     st.resolved.clear()                                     # what (re)registering a vector does
     d = req(dict(spec))
     _admit(ip, "3", d)
-    assert d.sampling_params.extra_args["vllm_hook"]["steer"][0]["digest"] == "e" * 32
+    assert unpack_steer(d.sampling_params.extra_args["vllm_hook"]["steer"])[0]["digest"] == "e" * 32
     # Specs that hold tensors are resolved every time (no cheap exact key).
     import torch
 
@@ -205,7 +209,7 @@ def test_sealed_spec_rides_through_vllms_copy_and_is_admitted_as_given():
     req = SimpleNamespace(sampling_params=copy, prompt_token_ids=list(range(8)), cache_salt=None)
     _admit(ip, "0", req)
     wire = copy.extra_args["vllm_hook"]
-    assert isinstance(wire, dict) and len(wire["steer"]) == 4 and copy.extra_args["other"] == [1, 2]
+    assert isinstance(wire, dict) and len(unpack_steer(wire["steer"])) == 4 and copy.extra_args["other"] == [1, 2]
 
 
 def test_size_bounds_keep_the_check_short():

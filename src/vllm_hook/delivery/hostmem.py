@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -88,18 +90,41 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-# vLLM runs torch on one CPU thread in its workers in most set-ups (spinning OpenMP threads
-# would contend with the engine), and file reads run on one core anyway: there, large copies
-# are split over a few threads of the plugin's own (torch and the file calls release the GIL
-# while they copy). Where torch has threads of its own (a frontend process), it splits each
-# large copy itself, and threads of ours on top would oversubscribe the cores.
+# The plugin's host work runs with torch on one thread (`one_thread`). Large copies split: a
+# few (a request's rows) over torch's threads, many (a payload's parts) over a few threads of
+# the plugin's own, woken once for the lot (torch and the file calls release the GIL while
+# they copy); outside one_thread, where torch has threads, it splits each copy itself.
 COPY_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 CHUNK_BYTES = 1 << 20
+FEW_PAIRS = 4
 _pool: ThreadPoolExecutor | None = None
 
 
 def _torch_parallel() -> bool:
     return torch.get_num_threads() > 1
+
+
+_scope = threading.local()
+
+
+@contextmanager
+def one_thread():
+    """Torch runs this thread's host ops on one thread within: the plugin's host work is many
+    small tensors, and each op over torch's grain splits over every core, whose sleeping
+    threads take about a millisecond to wake on the H200 host (run 65: the capture's
+    frontend read 138 -> 36 µs a request at 64 requests). `copy_many` gives a large copy
+    torch's threads back."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    _scope.outer = n
+    try:
+        yield
+    finally:
+        _scope.outer = None
+        torch.set_num_threads(n)
 
 
 def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -131,6 +156,18 @@ def copy_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     the total is large. Pieces are row ranges of about CHUNK_BYTES."""
     pairs = coalesce(pairs)
     total = sum(d.numel() * d.element_size() for d, _ in pairs)
+    outer = getattr(_scope, "outer", None)
+    if outer and total >= 4 * CHUNK_BYTES and (len(pairs) <= FEW_PAIRS or COPY_THREADS == 1):
+        # Within one_thread(), a few large copies (a request's float32 rows): torch's threads
+        # again, one parallel region each. Many (a payload's parts): the plugin's threads
+        # below, woken once for all of them, not once per part.
+        torch.set_num_threads(outer)
+        try:
+            for d, s in pairs:
+                d.copy_(s)
+        finally:
+            torch.set_num_threads(1)
+        return
     if COPY_THREADS == 1 or total < 4 * CHUNK_BYTES or _torch_parallel():
         for d, s in pairs:
             d.copy_(s)

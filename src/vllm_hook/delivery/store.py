@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from . import spill as spill_mod
-from .hostmem import Chunked, as_tensor
+from .hostmem import Chunked, as_tensor, copy_many, host_empty
 
 _DTYPES = {name: dtype for dtype, name in spill_mod.ST_DTYPES.items()}
 
@@ -292,10 +292,11 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
         if _group_points(name) is None:
             shared[name] = t.clone()
         elif dtype is not None:
-            if dtype == "float32" and t.dtype != torch.float32:
-                shared[name] = t.float()
-            elif not owned or dtype == "float32":
-                shared[name] = t.clone()
+            if dtype == "float32" or not owned:
+                # converted or copied: split over threads when large (`copy_many`)
+                out = host_empty(tuple(t.shape), torch.float32 if dtype == "float32" else t.dtype)
+                copy_many([(out, t)])
+                shared[name] = out
             fresh_rows.add(name)
     metas = [{**common, **m} for m in metas] if common else metas
     # Each packed tensor split into its requests' pieces in one call (per point of a group):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..delivery.arena import FRONTEND as ARENAS
+from ..delivery.hostmem import one_thread
 from ..delivery.nogc import no_gc
 from ..delivery.spill import open_entry, spill_target
 from ..delivery.store import parse_batch
@@ -88,6 +89,12 @@ def child_index(req_id: str, n: int) -> int:
 
 def results_for(st: FrontendState, output: Any, entries: list[dict], res,
                 opened: Opened | None = None) -> Results | list[Results]:
+    with one_thread():           # small tensors: see hostmem.one_thread
+        return _results_for(st, output, entries, res, opened)
+
+
+def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
+                 opened: Opened | None) -> Results | list[Results]:
     outs = list(getattr(output, "outputs", []) or [])
     n = max(len(outs), 1)
     by_index: dict[int, list] = {}

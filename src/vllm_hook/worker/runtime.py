@@ -17,13 +17,16 @@ import torch
 from ..adapters.base import AttnLayer, SchedulerEvents, StepView
 from ..config import HookConfig
 from ..delivery.collector import Collector
+from ..delivery.hostmem import one_thread
 from ..delivery.spill import sweep_spilled
 from ..delivery.nogc import no_gc
 from ..delivery.store import Budget, RequestStore, batch_to_wire
 from ..hooks.state import StateError, encode, encode_collected
 from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
-from ..routing import CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, op_slots, route_step
+from ..spec.resolve import unpack_steer
+from ..routing import (CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, group_steering,
+                       op_slots, route_step)
 from .attention_jobs import AttnJob, scores_for_step
 from .repeat import StepRepeat
 from .hooks import RequestHooks, WorkerHooks
@@ -64,6 +67,7 @@ class SharedSteering:
     vec_rows: list[int]
     op_rows: list[int]
     refs: int = 1
+    groups: tuple | None = None          # routing.group_steering(routes), made once
 
 
 def _note(errors: list[str], msg: str) -> None:
@@ -169,6 +173,10 @@ class HookRuntime:
     def on_events(self, ev: SchedulerEvents) -> None:
         if ev.empty:
             return
+        with one_thread():                 # small host tensors: see hostmem.one_thread
+            self._on_events(ev)
+
+    def _on_events(self, ev: SchedulerEvents) -> None:
         t0 = time.perf_counter()
         self.repeat.forget()
         self.collector.close_run()
@@ -259,9 +267,11 @@ class HookRuntime:
             return
         sd = wire.get("sd")
         shared = isinstance(sd, str) and sd in self.shared_steering
+        if not shared and wire.get("steer"):       # its ops are read only when not shared
+            wire = {**wire, "steer": unpack_steer(wire["steer"])}
         check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points, steer_ops=not shared)
         try:
-            steer = self._steering_of(req, wire.get("steer", ()), wire.get("sd"))
+            steer = self._steering_of(req, wire.get("steer", ()), sd)
         except (TableFull, KeyError) as e:
             msg = str(e) if isinstance(e, TableFull) else f"vector {e} is not registered on the worker"
             req.errors.append(f"steering not applied: {msg}")
@@ -290,7 +300,8 @@ class HookRuntime:
             q_point = self.points.col("q", L)
             req.attn_jobs[q_point] = [AttnJob(L, q_point, self.points.col("attn_scores", L),
                                               tuple(sorted(heads)), tuple(dict.fromkeys(sels)))]
-        req.routes = RequestRoutes(P, steer, capture)
+        share = self.shared_steering.get(req.steer_share) if req.steer_share else None
+        req.routes = RequestRoutes(P, steer, capture, share.groups if share else None)
         self._attn_reqs += bool(req.attn_jobs)
         req.horizon = req.routes.horizon
         if self.hooks is not None and (wire.get("hooks") or self.hooks.persistent):
@@ -317,15 +328,17 @@ class HookRuntime:
 
     def _steering_of(self, req: HookRequest, ops, digest: str | None) -> tuple[SteerRoute, ...]:
         """The request's steering routes: those of a request steering the same way, if one
-        is admitted (a batch with one spec admits its 28 ops once), else admitted now."""
-        if not ops:
-            return ()
+        is admitted (a batch with one spec admits its 28 ops once; `ops` unread), else
+        admitted now."""
         shared = self.shared_steering.get(digest) if digest else None
         if shared is None:
+            if not ops:
+                return ()
             routes = self._admit_steering(req, ops)
             if not digest:
                 return routes
-            shared = self.shared_steering[digest] = SharedSteering(routes, req.vec_rows, req.op_rows, 0)
+            shared = self.shared_steering[digest] = SharedSteering(routes, req.vec_rows, req.op_rows, 0,
+                                                                   group_steering(routes))
             req.vec_rows, req.op_rows = [], []
         shared.refs += 1
         req.steer_share = digest
@@ -423,6 +436,10 @@ class HookRuntime:
         self._step = self._repeated = None
         if not self.active and not self._steer_dirty:
             return
+        with one_thread():
+            self._begin_step(view)
+
+    def _begin_step(self, view: StepView) -> None:
         t0 = time.perf_counter()
         try:
             self.collector.drain()
@@ -553,6 +570,10 @@ class HookRuntime:
         repeated, self._repeated = self._repeated, None
         if step is None and repeated is None:
             return
+        with one_thread():
+            self._end_step(step, repeated)
+
+    def _end_step(self, step, repeated) -> None:
         t0 = time.perf_counter()
         try:
             if repeated is not None:
@@ -605,7 +626,7 @@ class HookRuntime:
         {"batch": payload, "entries": {key: [{"req_id", "j"}]}}, j the request's part.
         Rows in this worker's arena are lent when the frontend has mapped it (its token in
         `arenas`); else the reply offers the arena ("arena")."""
-        with no_gc():
+        with no_gc(), one_thread():
             return self._fetch(keys, spill, arenas)
 
     def _fetch(self, keys: list[str], spill: dict | None, arenas: list[str] = ()) -> dict[str, Any]:
@@ -713,5 +734,6 @@ class HookRuntime:
             "persistent_hooks": len(self.hooks.persistent) if self.hooks else 0,
             "persistent_hook_results": len(self.hooks.persistent_results) if self.hooks else 0,
             "timing": {**self.timing, **(self.hooks.timing if self.hooks else {})},
+            "torch_threads": torch.get_num_threads(),     # host ops' parallelism on this worker
             **(self.collector.arena.stats() if self.collector.arena is not None else {}),
         }
