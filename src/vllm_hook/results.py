@@ -23,7 +23,7 @@ from safetensors.torch import save as st_save
 
 from . import __version__
 from .delivery.store import safetensors_metadata
-from .delivery.hostmem import copy_many, host_empty
+from .delivery.hostmem import CHUNK_BYTES, copy_many, host_empty
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
 from .spec.errors import HookRuntimeError
@@ -355,7 +355,7 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
         res.activations[site][layer] = t
         pairs.append((t, rows))
         at += size
-    copy_many(pairs)
+    copy_many(pairs, parallel_from=CHUNK_BYTES)
     return res
 
 

@@ -306,8 +306,9 @@ def test_rows_of_several_chunks_are_written_part_by_part(tmp_path):
 
 def test_small_host_ops_run_on_one_thread_large_copies_on_torchs(monkeypatch):
     """Waking torch's sleeping threads for a small tensor cost about a millisecond a parallel
-    op on the H200 host (run 65): the plugin's host work runs on one thread; a copy of 4 MiB
-    and more gets torch's threads back, and the count is restored after, also on an error."""
+    op on the H200 host (run 65): the plugin's host work runs on one thread; a large copy gets
+    torch's threads back, many large parts the plugin's copy threads, and the count is
+    restored after, also on an error."""
     from vllm_hook.delivery import hostmem
 
     n0 = torch.get_num_threads()
@@ -337,10 +338,10 @@ def test_small_host_ops_run_on_one_thread_large_copies_on_torchs(monkeypatch):
     seen.clear()
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: (
         names.add(threading.current_thread().name), real(self, src, *a, **k))[1])
-    dsts = [torch.empty(1 << 18) for _ in range(8)]                     # 8 x 1 MiB, apart
+    dsts = [torch.empty(1 << 15) for _ in range(40)]                    # 40 x 128 KiB, apart
     with hostmem.one_thread():
-        hostmem.copy_many([(d, torch.full((1 << 18,), float(i))) for i, d in enumerate(dsts)])
-    assert [d[0].item() for d in dsts] == list(range(8))
+        hostmem.copy_many([(d, torch.full((1 << 15,), float(i))) for i, d in enumerate(dsts)])
+    assert [d[0].item() for d in dsts] == list(range(40))
     if hostmem.COPY_THREADS > 1:
         assert threading.current_thread().name not in names
     with pytest.raises(RuntimeError):

@@ -1,0 +1,83 @@
+"""What torch's host threads cost the plugin's small tensor ops, on this machine (issue 17).
+
+    python benchmarks/host_threads.py
+
+No engine, no GPU needed. The plugin's delivery converts and copies rows between steps, when
+torch's threads have gone to sleep: this times one op woken cold (after a pause) and hot
+(back to back), with torch's threads and with one, for tensors from 0.75 MiB to 6 MiB of
+float32 output, into fresh and into reused memory; the cost of switching torch's thread
+count (what `hostmem.one_thread` does twice a scope); and copies of many parts over the
+plugin's own copy threads. Prints microseconds, the median of --reps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from vllm_hook.delivery import hostmem  # noqa: E402
+
+
+def timed(fn, reps: int, pause: float) -> float:
+    out = []
+    for _ in range(reps):
+        if pause:
+            time.sleep(pause)
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    n = torch.get_num_threads()
+    tasks = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    print(f"torch threads {n}, cpus {len(os.sched_getaffinity(0))}, copy threads {hostmem.COPY_THREADS}, "
+          f"process threads {tasks()}")
+    if n > 1:
+        def toggle():
+            torch.set_num_threads(1)
+            torch.set_num_threads(n)
+        print(f"set_num_threads(1) and back: {timed(toggle, 200, 0):.1f} µs; process threads after {tasks()}")
+    for rows in (128, 512, 1024):                      # x 1536 bf16 -> float32: 0.75, 3, 6 MiB
+        src = torch.randn(rows, 1536).bfloat16()
+        dst = torch.empty(rows, 1536)
+        mib = rows * 1536 * 4 / (1 << 20)
+        line = []
+        for threads in sorted({n, 1}, reverse=True):
+            torch.set_num_threads(threads)
+            for label, pause in (("cold", 0.05), ("hot", 0)):
+                reused = timed(lambda: dst.copy_(src), args.reps, pause)
+                fresh = timed(lambda: hostmem.host_empty((rows, 1536), torch.float32).copy_(src), args.reps, pause)
+                line.append(f"{threads} thr {label}: reused {reused:.0f} / fresh {fresh:.0f}")
+        torch.set_num_threads(n)
+        print(f"{mib:.2f} MiB float32 from bf16, µs: " + "; ".join(line))
+    # Many parts (a payload write's): torch's threads per part, or the plugin's threads once.
+    parts = [(torch.empty(4, 64, 1536, dtype=torch.bfloat16), torch.randn(64, 12, 1536).bfloat16()[:, 4:8].transpose(0, 1))
+             for _ in range(64)]
+
+    def per_part():
+        for d, s in parts:
+            d.copy_(s)
+
+    def pool():
+        with hostmem.one_thread():
+            hostmem.copy_many(parts)
+    for label, pause in (("cold", 0.05), ("hot", 0)):
+        print(f"64 parts of 0.75 MiB ({label}), µs: torch's threads per part {timed(per_part, args.reps, pause):.0f}, "
+              f"within one_thread {timed(pool, args.reps, pause):.0f}")
+
+
+if __name__ == "__main__":
+    main()
