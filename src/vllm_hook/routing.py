@@ -37,8 +37,10 @@ class RequestRoutes:
     prompt_len: int
     steer: tuple[SteerRoute, ...] = ()
     capture: tuple[CaptureRoute, ...] = ()
-    # `steer_groups` made once for every request steering alike (`group_steering(steer)`)
+    # `steer_groups` and `capture_groups` made once for every request steering (capturing)
+    # alike: `group_steering(steer)`, `group_captures(capture)`
     shared_groups: tuple | None = field(default=None, compare=False, repr=False)
+    shared_cap_groups: tuple | None = field(default=None, compare=False, repr=False)
 
     @cached_property
     def steer_groups(self) -> tuple[tuple[str, tuple[int, ...], np.ndarray, np.ndarray, Any], ...]:
@@ -47,13 +49,8 @@ class RequestRoutes:
 
     @cached_property
     def capture_groups(self) -> tuple[tuple[tuple, int, bool, np.ndarray, tuple[int, ...]], ...]:
-        """Capture routes grouped by (selectors, pool, last_only): (sels, pool, last_only,
-        points as an index array, the same points as a tuple)."""
-        groups: dict[tuple, list[int]] = {}
-        for c in self.capture:
-            groups.setdefault((c.sels, c.pool, c.last_only), []).append(c.point)
-        return tuple((sels, pool, last, np.array(pts, dtype=np.int64), tuple(pts))
-                     for (sels, pool, last), pts in groups.items())
+        """Capture routes grouped by selectors (`group_captures`)."""
+        return self.shared_cap_groups if self.shared_cap_groups is not None else group_captures(self.capture)
 
     @cached_property
     def steady_from(self) -> int:
@@ -93,6 +90,16 @@ def group_steering(steer: Sequence[SteerRoute]) -> tuple[tuple[str, tuple[int, .
         cols = np.array([r.col for r in g], dtype=np.int64)
         out.append((sel, pos, cols, np.array([r.entry for r in g], dtype=np.int64), _as_slice(cols)))
     return tuple(out)
+
+
+def group_captures(capture: Sequence[CaptureRoute]) -> tuple[tuple[tuple, int, bool, np.ndarray, tuple[int, ...]], ...]:
+    """Capture routes grouped by (selectors, pool, last_only): (sels, pool, last_only, points
+    as an index array, the same points as a tuple)."""
+    groups: dict[tuple, list[int]] = {}
+    for c in capture:
+        groups.setdefault((c.sels, c.pool, c.last_only), []).append(c.point)
+    return tuple((sels, pool, last, np.array(pts, dtype=np.int64), tuple(pts))
+                 for (sels, pool, last), pts in groups.items())
 
 
 class Rows(NamedTuple):          # built per hooked request and step: a tuple is cheapest
@@ -137,15 +144,33 @@ def route_step(
     for the requests in `entries`; return where each captured row lands in the pool.
 
     A decode row (one row per request) takes a path without per-request numpy writes: the
-    steering entries and the capture destinations of all decode rows are written with one
-    indexed assignment each, since host time per step is what grows with the batch."""
+    steering entries and the capture destinations of all decode rows (and of prompt chunks'
+    single captured rows) are written with one indexed assignment each, since host time per
+    step is what grows with the batch."""
     out = StepRouting()
     one_rows: list[int] = []                  # decode rows' steering: row, columns, values
     one_cols: list[np.ndarray] = []
     one_vals: list[np.ndarray] = []
-    cap_rows: list[int] = []                  # decode rows' captures: row, points, pool rows
+    cap_rows: list[int] = []                  # one-row captures: row, points, pool rows
     cap_cols: list[np.ndarray] = []
     cap_vals: list[np.ndarray] = []
+
+    def one_row(owner, group, row: int, p: int) -> None:
+        """Capture one row (a decode row, a prompt chunk's last token) of a capture group:
+        its destinations join the batched write below."""
+        _, pool, last_only, points, point_ids = group
+        used = out.pool_used.get(pool, 0)
+        if used + len(point_ids) > pool_rows:
+            if owner not in out.overflow:
+                out.overflow.append(owner)
+            return
+        cap_rows.append(row)
+        cap_cols.append(points)
+        cap_vals.append(_offsets(len(point_ids)) + used)
+        out.segments.append(Segment(owner, point_ids, used, np.array([p], dtype=np.int64),
+                                    last_only, pool, np.array([row], dtype=np.int64)))
+        out.pool_used[pool] = used + len(point_ids)
+
     for owner, routes, rows in entries:
         if rows.count <= 0:
             continue
@@ -157,20 +182,9 @@ def route_step(
                     one_rows.append(row)
                     one_cols.append(cols)
                     one_vals.append(values)
-            for sels, pool, last_only, points, point_ids in routes.capture_groups:
-                if not any(selected_mask(sel, pos, p, P) for sel, pos in sels):
-                    continue
-                used = out.pool_used.get(pool, 0)
-                if used + len(point_ids) > pool_rows:
-                    if owner not in out.overflow:
-                        out.overflow.append(owner)
-                    continue
-                cap_rows.append(row)
-                cap_cols.append(points)
-                cap_vals.append(_offsets(len(point_ids)) + used)
-                out.segments.append(Segment(owner, point_ids, used, np.array([p], dtype=np.int64),
-                                            last_only, pool, np.array([row], dtype=np.int64)))
-                out.pool_used[pool] = used + len(point_ids)
+            for group in routes.capture_groups:
+                if any(selected_mask(sel, pos, p, P) for sel, pos in group[0]):
+                    one_row(owner, group, row, p)
             continue
         first, count, start = rows.first_pos, rows.count, rows.start
         positions = None
@@ -193,6 +207,10 @@ def route_step(
                 out.steered_upto = max(out.steered_upto, int(sel_rows[-1]) + 1)
         for sels, pool, last_only, points, point_ids in routes.capture_groups:
             span = _span(sels[0][0], P, first, count) if len(sels) == 1 else None
+            if span is not None and span[1] - span[0] == 1:
+                # one row of the chunk (the last prompt token): batched with the decode rows
+                one_row(owner, (sels, pool, last_only, points, point_ids), start + span[0], first + span[0])
+                continue
             if span is not None:
                 a, b = span
                 idx = np.arange(a, b, dtype=np.int64)

@@ -321,6 +321,8 @@ def resolve(
             "steer": pack_steer(wire_steer) if wire_steer else []}
     if steer_digest:
         wire["sd"] = steer_digest      # workers share the table rows of equal steering
+    if wire_cap:                       # and the routes of equal captures
+        wire["cd"] = hashlib.sha256(json.dumps(wire_cap, sort_keys=True).encode()).hexdigest()[:24]
     if wire_hooks:
         wire["hooks"] = wire_hooks
     return Resolved(wire=wire, key=key, prompt_len=prompt_len,

@@ -25,8 +25,8 @@ from ..hooks.state import StateError, encode, encode_collected
 from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..spec.resolve import unpack_steer
-from ..routing import (CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, group_steering,
-                       op_slots, route_step)
+from ..routing import (CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, group_captures,
+                       group_steering, op_slots, route_step)
 from .attention_jobs import AttnJob, scores_for_step
 from .repeat import StepRepeat
 from .hooks import RequestHooks, WorkerHooks
@@ -35,6 +35,7 @@ from .wire import check_wire
 
 log = logging.getLogger("vllm_hook")
 HOOK_TENSOR_PREFIX = "hk"
+MAX_SHARED_CAPTURES = 256     # distinct capture specs whose routes a worker keeps
 
 
 @dataclass(eq=False)
@@ -150,6 +151,7 @@ class HookRuntime:
         self.named: dict[str, np.ndarray] = {}
         self.hooks = hooks                             # Python hooks (None: no hook layers)
         self.shared_steering: dict[str, SharedSteering] = {}
+        self._captures: dict[str, tuple] = {}          # capture digest -> _capture_routes
         self.hooked: dict[str, HookRequest] = {}       # admitted requests with hooks
         self._steer_dirty = 0
         self._attn_reqs = 0
@@ -269,7 +271,10 @@ class HookRuntime:
         shared = isinstance(sd, str) and sd in self.shared_steering
         if not shared and wire.get("steer"):       # its ops are read only when not shared
             wire = {**wire, "steer": unpack_steer(wire["steer"])}
-        check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points, steer_ops=not shared)
+        cd = wire.get("cd")
+        known = self._captures.get(cd) if isinstance(cd, str) else None
+        check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points, steer_ops=not shared,
+                   caps=known is None)
         try:
             steer = self._steering_of(req, wire.get("steer", ()), sd)
         except (TableFull, KeyError) as e:
@@ -277,9 +282,29 @@ class HookRuntime:
             req.errors.append(f"steering not applied: {msg}")
             log.error("vllm_hook: request %s: %s", req_id, req.errors[-1])
             steer = ()
-        caps: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+        if known is None:
+            known = self._capture_routes(wire.get("cap", ()))
+            if isinstance(cd, str):
+                if len(self._captures) >= MAX_SHARED_CAPTURES:
+                    self._captures.clear()
+                self._captures[cd] = known
+        capture, cap_groups, attn_jobs = known
+        req.attn_jobs = {q: list(jobs) for q, jobs in attn_jobs.items()}
+        share = self.shared_steering.get(req.steer_share) if req.steer_share else None
+        req.routes = RequestRoutes(P, steer, capture, share.groups if share else None, cap_groups)
+        self._attn_reqs += bool(req.attn_jobs)
+        req.horizon = req.routes.horizon
+        if self.hooks is not None and (wire.get("hooks") or self.hooks.persistent):
+            self._add_hooks(req, wire.get("hooks", ()))
+        if req.routes.steer or req.routes.capture or req.hooks:
+            self.active[req_id] = req
+
+    def _capture_routes(self, caps) -> tuple:
+        """A wire's captures on this worker: (routes, their groups, attention jobs by q point),
+        the same for every request capturing alike (kept by the wire's capture digest)."""
+        points: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
         attn: dict[int, tuple[set, list]] = {}            # layer -> (heads, selectors)
-        for c in wire.get("cap", ()):
+        for c in caps:
             site, L, sel = c["site"], int(c["layer"]), (c["sel"], tuple(c["pos"]))
             if site == "attn_scores":
                 if L not in self.local_layers:
@@ -287,27 +312,21 @@ class HookRuntime:
                 heads, sels = attn.setdefault(L, (set(), []))
                 heads.update(c["heads"])
                 sels.append(sel)
-                caps.setdefault(self.points.col("q", L), []).append(sel)
+                points.setdefault(self.points.col("q", L), []).append(sel)
                 continue
             point = self.points.col(site, L)
             if self.points.writer[point] not in self.local_layers:
                 continue               # another pipeline stage captures it
             if self.rank == 0 or self.points.pool_of(point) != POOL_RESID:
-                caps.setdefault(point, []).append(sel)
+                points.setdefault(point, []).append(sel)
         capture = tuple(CaptureRoute(p, tuple(dict.fromkeys(s)), all(x[0] == "last" for x in s),
-                                     self.points.pool_of(p)) for p, s in caps.items())
+                                     self.points.pool_of(p)) for p, s in points.items())
+        jobs = {}
         for L, (heads, sels) in attn.items():
             q_point = self.points.col("q", L)
-            req.attn_jobs[q_point] = [AttnJob(L, q_point, self.points.col("attn_scores", L),
-                                              tuple(sorted(heads)), tuple(dict.fromkeys(sels)))]
-        share = self.shared_steering.get(req.steer_share) if req.steer_share else None
-        req.routes = RequestRoutes(P, steer, capture, share.groups if share else None)
-        self._attn_reqs += bool(req.attn_jobs)
-        req.horizon = req.routes.horizon
-        if self.hooks is not None and (wire.get("hooks") or self.hooks.persistent):
-            self._add_hooks(req, wire.get("hooks", ()))
-        if req.routes.steer or req.routes.capture or req.hooks:
-            self.active[req_id] = req
+            jobs[q_point] = (AttnJob(L, q_point, self.points.col("attn_scores", L),
+                                     tuple(sorted(heads)), tuple(dict.fromkeys(sels))),)
+        return capture, group_captures(capture), jobs
 
     def _admit_plain(self, req_id: str, prompt_len: int) -> None:
         """A request without a spec, while persistent hooks are registered."""

@@ -34,13 +34,14 @@ def _selector(item: dict, what: str) -> None:
         _int(p, 0, MAX_POSITION, f"{what} position")
 
 
-def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, steer_ops: bool = True) -> None:
+def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, steer_ops: bool = True,
+               caps: bool = True) -> None:
     """Raise ValueError naming the first value the per-step path could not take. Vectorised
     over the steering ops: a spec steering every layer is checked in a few numpy calls.
-    `steer_ops=False`: the request takes the checked routes of another that steers alike
-    (its own ops are never read), so they are not checked again."""
+    `steer_ops=False` (`caps=False`): the request takes the checked routes of another that
+    steers (captures) alike (its own are never read), so they are not checked again."""
     _int(wire.get("P"), 1, MAX_POSITION, "prompt length")
-    for i, c in enumerate(wire.get("cap", ())):
+    for i, c in enumerate(wire.get("cap", ()) if caps else ()):
         what = f"capture {i}"
         L = _int(c.get("layer"), 0, num_layers, f"{what} layer")
         if not points.has(c.get("site"), L):
