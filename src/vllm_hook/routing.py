@@ -43,7 +43,7 @@ class RequestRoutes:
     shared_cap_groups: tuple | None = field(default=None, compare=False, repr=False)
 
     @cached_property
-    def steer_groups(self) -> tuple[tuple[str, tuple[int, ...], np.ndarray, np.ndarray, Any], ...]:
+    def steer_groups(self) -> SteerGroups:
         """Steering routes grouped by selector (`group_steering`)."""
         return self.shared_groups if self.shared_groups is not None else group_steering(self.steer)
 
@@ -78,7 +78,23 @@ class RequestRoutes:
         return h
 
 
-def group_steering(steer: Sequence[SteerRoute]) -> tuple[tuple[str, tuple[int, ...], np.ndarray, np.ndarray, Any], ...]:
+class SteerGroups(tuple):
+    """`group_steering`'s groups, with the full op_idx row of a steering whose every group
+    selects every token (`full_row`), made once per table width."""
+
+    def full_row(self, width: int) -> np.ndarray | None:
+        rows = self.__dict__.setdefault("_rows", {})
+        if width not in rows:
+            row = None
+            if self and all(sel == "all" for sel, *_ in self):
+                row = np.zeros(width, dtype=np.int64)
+                for _, _, cols, values, _ in self:
+                    row[cols] = values
+            rows[width] = row
+        return rows[width]
+
+
+def group_steering(steer: Sequence[SteerRoute]) -> SteerGroups:
     """Steering routes grouped by selector: (sel, pos, columns, op_idx values, the columns as
     a slice where they are evenly spaced, else the array). One write per group and step, not
     one per op (a request steering every layer has one group)."""
@@ -89,7 +105,7 @@ def group_steering(steer: Sequence[SteerRoute]) -> tuple[tuple[str, tuple[int, .
     for (sel, pos), g in groups.items():
         cols = np.array([r.col for r in g], dtype=np.int64)
         out.append((sel, pos, cols, np.array([r.entry for r in g], dtype=np.int64), _as_slice(cols)))
-    return tuple(out)
+    return SteerGroups(out)
 
 
 def group_captures(capture: Sequence[CaptureRoute]) -> tuple[tuple[tuple, int, bool, np.ndarray, tuple[int, ...]], ...]:
@@ -139,14 +155,31 @@ def route_step(
     op_idx: np.ndarray,
     cap_idx: np.ndarray,
     pool_rows: int,
+    zero_upto: int = 0,
 ) -> StepRouting:
-    """Fill `op_idx` [T, op columns] (pre-zeroed) and `cap_idx` [T, points] (pre-filled with trash rows)
-    for the requests in `entries`; return where each captured row lands in the pool.
+    """Fill `op_idx` [T, op columns] and `cap_idx` [T, points] (pre-filled with trash rows) for
+    the requests in `entries`; return where each captured row lands in the pool. Rows of
+    `op_idx` from `zero_upto` on must be zero; those below are zeroed where not written whole.
 
     A decode row (one row per request) takes a path without per-request numpy writes: the
     steering entries and the capture destinations of all decode rows (and of prompt chunks'
     single captured rows) are written with one indexed assignment each, since host time per
-    step is what grows with the batch."""
+    step is what grows with the batch. A prompt chunk steered at every token gets its full
+    rows written at once, zeros included, so they need no zeroing first (an all-layer spec's
+    8,192-row prefill step: zeroing 3.7 MB, then writing half of it, was most of its routing)."""
+    entries = list(entries)
+    width = op_idx.shape[1]
+    whole = []                                # prompt chunks written whole: (start, end)
+    for _, routes, rows in entries:
+        if rows.count > 1 and routes.steer and routes.steer_groups.full_row(width) is not None:
+            whole.append((rows.start, rows.start + rows.count))
+    at = 0
+    for a, b in sorted(whole):                # zero the rest below zero_upto
+        if a > at and at < zero_upto:
+            op_idx[at:min(a, zero_upto)] = 0
+        at = max(at, b)
+    if at < zero_upto:
+        op_idx[at:zero_upto] = 0
     out = StepRouting()
     one_rows: list[int] = []                  # decode rows' steering: row, columns, values
     one_cols: list[np.ndarray] = []
@@ -188,7 +221,11 @@ def route_step(
             continue
         first, count, start = rows.first_pos, rows.count, rows.start
         positions = None
-        for sel, pos, cols, values, col_slice in routes.steer_groups:
+        full = routes.steer_groups.full_row(width) if routes.steer else None
+        if full is not None:
+            op_idx[start:start + count] = full
+            out.steered_upto = max(out.steered_upto, start + count)
+        for sel, pos, cols, values, col_slice in () if full is not None else routes.steer_groups:
             span = _span(sel, P, first, count)
             if span is not None:              # a contiguous range of the chunk: a slice
                 a, b = span

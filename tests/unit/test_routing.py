@@ -127,7 +127,8 @@ def _route_row_by_row(entries, T, cols, points, pool_rows):
 
 def test_routing_matches_a_row_by_row_reference_on_random_batches():
     """Decode rows (one per request) take route_step's batched path, prefill chunks the
-    per-request one: both must place every op and capture row where the reference does."""
+    per-request one (or whole rows, steered at every token): all must place every op and
+    capture row where the reference does, also over stale rows route_step is to zero."""
     rng = np.random.default_rng(0)
     sels = [("all", ()), ("prompt", ()), ("generated", ()), ("last_prompt", ()), ("last", ()),
             ("pos", (0, 3, 9))]
@@ -138,7 +139,9 @@ def test_routing_matches_a_row_by_row_reference_on_random_batches():
             P = int(rng.integers(1, 12))
             count = 1 if rng.random() < 0.6 else int(rng.integers(2, 6))
             first = int(rng.integers(0, 15))
-            steer = tuple(SteerRoute(col=int(c), entry=int(100 * (r + 1) + c), sel=sels[k][0], pos=sels[k][1])
+            every = rng.random() < 0.3              # every token: its chunks' rows written whole
+            steer = tuple(SteerRoute(col=int(c), entry=int(100 * (r + 1) + c), sel="all" if every else sels[k][0],
+                                     pos=() if every else sels[k][1])
                           for c, k in zip(rng.choice(cols, rng.integers(0, 4), replace=False),
                                           rng.integers(0, len(sels), 4)))
             if entries and rng.random() < 0.5:   # steering alike: the worker shares one routes tuple
@@ -161,6 +164,12 @@ def test_routing_matches_a_row_by_row_reference_on_random_batches():
         assert got.overflow == list(dict.fromkeys(ref_over)), trial
         steered = [i for i in range(T) if op[i].any()]
         assert got.steered_upto >= (steered[-1] + 1 if steered else 0)
+        # Stale rows (a staging array's last use) below zero_upto: zeroed unless written whole
+        z = int(rng.integers(0, T + 1))
+        stale = rng.integers(1, 1000, (T, cols))
+        stale[z:] = 0
+        route_step(entries, stale, np.full((T, n_points), 999, np.int64), pool_rows, zero_upto=z)
+        assert np.array_equal(stale, ref_op), trial
 
 
 def test_steady_from():

@@ -535,13 +535,15 @@ class HookRuntime:
         has_cap = any(e[1].capture for e in entries)
         op_h, cap_h = self.staging.begin()
         op_n = max(T_pad, self._steer_dirty) if (has_steer or self._steer_dirty) else 0
-        if op_n:
-            op_h[:op_n] = 0
+        if op_n > T_pad:
+            op_h[T_pad:op_n] = 0
         if has_cap:
             cap_h[:T_pad] = self._trash[:T_pad, None]
-        # Without steering (capture) routes, route_step writes nothing into op_h (cap_h).
+        # Without steering (capture) routes, route_step writes nothing into op_h (cap_h); it
+        # zeroes the rows below min(op_n, T_pad) that it does not write whole.
         try:
-            routing = route_step(entries, op_h[:T_pad], cap_points(cap_h[:T_pad]), self.bufs.shape.pool_rows)
+            routing = route_step(entries, op_h[:T_pad], cap_points(cap_h[:T_pad]), self.bufs.shape.pool_rows,
+                                 zero_upto=min(op_n, T_pad))
         except Exception:
             entries = self._without_culprits(entries, op_h, cap_h, T_pad)
             if op_n:
