@@ -18,29 +18,106 @@ import math
 import mmap
 import os
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 HUGE = 2 << 20
 MIN_BYTES = 2 * HUGE   # smaller tensors gain little, and would waste up to half a huge page
 
 
+# Idle mappings a process keeps for reuse, at most: a batch's float32 rows of a mixed batch of
+# 256 requests (85 all-token requests of 6 MiB) and its payload.
+KEEP_IDLE_BYTES = 1 << 30
+
+
 def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised, writable CPU tensor; huge-page backed from 4 MiB up. The memory lives
-    as long as a tensor viewing it."""
+    """An uninitialised, writable CPU tensor; huge-page backed from 4 MiB up, in a mapping
+    reused once no tensor views it (`Recycler`). The memory lives as long as a tensor viewing
+    it."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
-    m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass
+    size = -(-(nbytes + HUGE) // HUGE) * HUGE       # in whole huge pages: like sizes reuse alike
+    m = RECYCLER.take(size)
+    if m is None:
+        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
     raw = torch.frombuffer(m, dtype=torch.uint8)
+    RECYCLER.lend(m, raw)
     start = -raw.data_ptr() % HUGE                 # huge pages need 2 MiB-aligned ranges
     return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+class Recycler:
+    """`host_empty`'s mappings, taken back once no tensor views them (the user dropped the
+    Results; a payload was parsed): a later tensor of a like size reuses their pages instead
+    of faulting in fresh ones, each of which the kernel zeroes first (6 MiB of float32 rows
+    took 722 µs into fresh memory, 90 into reused, on the H200 host: run 67). Idle mappings
+    up to `keep` bytes; the rest are unmapped."""
+
+    def __init__(self, keep: int = KEEP_IDLE_BYTES):
+        self.keep = keep
+        self.lent: deque[tuple[mmap.mmap, StorageWeakRef]] = deque()
+        self.idle: dict[int, list[mmap.mmap]] = {}     # by size
+        self.idle_bytes = 0
+        self._scan_at = 64
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> mmap.mmap | None:
+        """An idle mapping of `size` bytes to twice that, the smallest, or None."""
+        with self._lock:
+            self._reap()
+            fits = [n for n in self.idle if size <= n <= 2 * size]
+            if not fits:
+                return None
+            n = min(fits)
+            m = self.idle[n].pop()
+            if not self.idle[n]:
+                del self.idle[n]
+            self.idle_bytes -= n
+            return m
+
+    def lend(self, m: mmap.mmap, raw: torch.Tensor) -> None:
+        with self._lock:
+            self.lent.append((m, StorageWeakRef(raw.untyped_storage())))
+
+    def _reap(self) -> None:
+        """Take back the lent mappings no tensor views any more: the oldest first, stopping at
+        one still viewed; all of them once the queue doubled since the last full pass (a kept
+        old result must not hold back those freed after it)."""
+        if len(self.lent) >= self._scan_at:
+            alive: deque = deque()
+            for m, ref in self.lent:
+                if ref.expired():
+                    self._idle(m)
+                else:
+                    alive.append((m, ref))
+            self.lent = alive
+            self._scan_at = max(64, 2 * len(alive))
+            return
+        while self.lent and self.lent[0][1].expired():
+            self._idle(self.lent.popleft()[0])
+
+    def _idle(self, m: mmap.mmap) -> None:
+        n = len(m)
+        if self.idle_bytes + n > self.keep:
+            try:
+                m.close()
+            except BufferError:        # viewed after all: unmapped with its last view
+                pass
+            return
+        self.idle.setdefault(n, []).append(m)
+        self.idle_bytes += n
+
+
+RECYCLER = Recycler()
 
 
 class Chunked:
@@ -90,13 +167,12 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-# The plugin's host work runs with torch on one thread (`one_thread`). Large copies split: a
-# few (a request's rows) over torch's threads, many (a payload's parts) over a few threads of
-# the plugin's own, woken once for the lot (torch and the file calls release the GIL while
-# they copy); outside one_thread, where torch has threads, it splits each copy itself.
+# The plugin's host work runs with torch on one thread (`one_thread`); its large copies get
+# torch's threads back where it has several. Where torch runs on one (vLLM's multiprocess
+# workers), large copies and file reads are split over a few threads of the plugin's own
+# (torch and the file calls release the GIL while they copy).
 COPY_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 CHUNK_BYTES = 1 << 20
-MANY_PAIRS = 32
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -112,7 +188,7 @@ def one_thread():
     """Torch runs this thread's host ops on one thread within: the plugin's host work is many
     small tensors, and each op over torch's grain splits over every core, whose sleeping
     threads take about a millisecond to wake on the H200 host (run 65: the capture's
-    frontend read 138 -> 36 µs a request at 64 requests). `copy_many` gives a large copy
+    frontend read 138 -> 36 µs a request at 64 requests). `copy_many` gives large copies
     torch's threads back."""
     n = torch.get_num_threads()
     if n == 1:
@@ -157,11 +233,11 @@ def copy_many(pairs: list[tuple[torch.Tensor, torch.Tensor]], parallel_from: int
     pairs = coalesce(pairs)
     total = sum(d.numel() * d.element_size() for d, _ in pairs)
     outer = getattr(_scope, "outer", None)
-    if outer and total >= parallel_from and (len(pairs) <= MANY_PAIRS or COPY_THREADS == 1):
-        # Within one_thread(), a request's rows: torch's threads again, one parallel region
-        # per copy (back to back, they find its threads awake: a request's float32 rows took
-        # 222 µs so at 64 requests on the H200 host, 746 on one thread, run 66). Many parts
-        # (a payload's): the plugin's threads below, woken once for all of them.
+    if outer and total >= parallel_from:
+        # Within one_thread(), large copies: torch's threads again, one parallel region per
+        # copy (back to back, they find its threads awake: a request's float32 rows took 222 µs
+        # so at 64 requests on the H200 host, 746 on one thread, run 66; 64 parts of 0.75 MiB
+        # 1.4 to 2.2 ms so, 4.2 to 5.2 over the plugin's 8 copy threads, run 67).
         torch.set_num_threads(outer)
         try:
             for d, s in pairs:
