@@ -6,24 +6,27 @@ No engine, no GPU needed. The plugin's delivery converts and copies rows between
 torch's threads have gone to sleep: this times one op woken cold (after a pause) and hot
 (back to back), with torch's threads and with one, for tensors from 0.75 MiB to 6 MiB of
 float32 output, into fresh and into reused memory; the cost of switching torch's thread
-count (what `hostmem.one_thread` does twice a scope); and copies of many parts over the
-plugin's own copy threads. Prints microseconds, the median of --reps.
+count (what `hostmem.one_thread` does twice a scope); copies of many parts over the
+plugin's own copy threads; `host_empty` with its mappings reused and fresh. Prints
+microseconds, the median of --reps.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from vllm_hook.delivery import hostmem  # noqa: E402
+# hostmem alone (stdlib and torch): this runs on a machine without vLLM too
+_spec = importlib.util.spec_from_file_location(
+    "hostmem", Path(__file__).resolve().parents[1] / "src/vllm_hook/delivery/hostmem.py")
+hostmem = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hostmem)
 
 
 def timed(fn, reps: int, pause: float) -> float:
@@ -76,7 +79,21 @@ def main() -> None:
             hostmem.copy_many(parts)
     for label, pause in (("cold", 0.05), ("hot", 0)):
         print(f"64 parts of 0.75 MiB ({label}), µs: torch's threads per part {timed(per_part, args.reps, pause):.0f}, "
-              f"within one_thread {timed(pool, args.reps, pause):.0f}")
+              f"copy_many within one_thread {timed(pool, args.reps, pause):.0f}")
+    # host_empty's mappings reused (the Recycler) against fresh ones (a Recycler keeping none):
+    # a request's float32 rows, 6 MiB, converted within one_thread as the Results build does.
+    src = torch.randn(1024, 1536).bfloat16()
+
+    def build():
+        with hostmem.one_thread():
+            hostmem.copy_many([(hostmem.host_empty((1024, 1536), torch.float32), src)],
+                              parallel_from=hostmem.CHUNK_BYTES)
+    line = []
+    for label, keep in (("reused", hostmem.KEEP_IDLE_BYTES), ("fresh", 0)):
+        hostmem.RECYCLER = hostmem.Recycler(keep)
+        build()
+        line.append(f"{label} {timed(build, args.reps, 0):.0f}")
+    print("6 MiB float32 rows into host_empty, µs: " + ", ".join(line))
 
 
 if __name__ == "__main__":
