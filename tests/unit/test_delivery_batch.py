@@ -280,10 +280,13 @@ def test_offline_fetch_pauses_the_collector_from_the_rpc_on():
     assert got.token_ids == [1, 2, 3] and "could not be fetched" in got.errors[0]
 
 
-def test_rows_of_several_chunks_are_written_part_by_part(tmp_path):
+@pytest.mark.parametrize("mapped_from", [0, spill.MAPPED_FROM])
+def test_rows_of_several_chunks_are_written_part_by_part(tmp_path, monkeypatch, mapped_from):
     """A request's rows from several steps (a prompt chunk, then a decode run's strided view)
     reach the payload part by part, with no concatenated copy first: the same bytes as their
-    concatenation, through a fresh file, a reused one and the RPC's bytes."""
+    concatenation, through a fresh file, a reused one (through a mapping, or pwrite for a
+    small payload) and the RPC's bytes."""
+    monkeypatch.setattr(spill, "MAPPED_FROM", mapped_from)
     from vllm_hook.delivery.hostmem import Chunked
 
     g = torch.Generator().manual_seed(0)
