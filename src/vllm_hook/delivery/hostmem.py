@@ -6,10 +6,12 @@ placed in an anonymous mapping advised to use transparent huge pages (2 MiB: 512
 faults) where the kernel allows it (`transparent_hugepage` = always or madvise); elsewhere
 the advice is ignored and this is an ordinary allocation. Where free memory is fragmented,
 the kernel may compact it to find a huge page, and that first touch stalls instead
-(`host_memory.py` reports the median next to the best time for that reason).
+(`host_memory.py` reports the median next to the best time for that reason). Even huge pages
+are zeroed by the kernel when first touched: a mapping no tensor views any more is reused
+(`Recycler`).
 
-Also here: the copies between such memory, files and the device (`copy_many`, `read_into`,
-`write_mapped`, `upload`).
+Also here: the scope of the plugin's host work (`one_thread`), and the copies between such
+memory, files and the device (`copy_many`, `read_into`, `write_mapped`, `upload`).
 """
 
 from __future__ import annotations
