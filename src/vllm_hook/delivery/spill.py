@@ -36,7 +36,7 @@ FREE = PREFIX + "free-"
 # bf16): a write into a reused file's pages took 190 ms per GiB on the CI machine, into fresh
 # ones 460 ms (`benchmarks/host_memory.py`).
 KEEP_FREE_BYTES = 4 << 30
-MAPPED_FROM = 4 << 20  # payloads written through a mapping (copies split over threads), from
+MAPPED_FROM = 4 << 20  # payloads this large and up are written through a mapping (copies split over threads)
 PAD = "__pad__"       # covers the unused tail of a reused, larger file: it stays valid safetensors
 ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",

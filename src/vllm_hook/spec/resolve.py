@@ -38,6 +38,8 @@ def pack_steer(ops: list[dict]) -> bytes:
 def unpack_steer(ops: bytes | list) -> list[dict]:
     """The ops of a wire's "steer" (a blob, or a list in a wire made by hand)."""
     return msgspec.msgpack.decode(ops) if isinstance(ops, (bytes, bytearray, memoryview)) else list(ops)
+
+
 # Distinct (site, layer, selector) captures of one spec: 7 sites x 128 layers x 4 selectors fit.
 MAX_CAPTURE_ENTRIES = 4096
 
