@@ -375,3 +375,31 @@ def test_host_memory_is_reused_once_no_tensor_views_it(monkeypatch):
     for _ in range(70):
         hostmem.host_empty((4 << 20,), torch.uint8)
     assert len(rec.lent) < 64 and kept.numel() == 4 << 20
+
+
+def test_host_memory_for_the_next_batch_is_readied_in_the_background(monkeypatch):
+    """A user keeping a batch's outputs while the next one runs frees them only after the
+    next batch's results are built: `refill_soon` (after each delivery) maps and faults in
+    as many mappings as the last delivery took, on a background thread, so the next finds
+    its memory ready; within `keep`. From 1 MiB (a 128-token, 4-layer float32 capture is
+    3 MiB) tensors come from such mappings; huge pages only from 4 MiB."""
+    from vllm_hook.delivery import hostmem
+
+    rec = hostmem.Recycler(keep=32 << 20)
+    monkeypatch.setattr(hostmem, "RECYCLER", rec)
+    first = [hostmem.host_empty((3 << 20,), torch.uint8), hostmem.host_empty((6 << 20,), torch.uint8)]
+    assert first[1].data_ptr() % hostmem.HUGE == 0
+    rec.refill_soon()                     # the user still holds `first`
+    hostmem._filler().submit(lambda: None).result()           # the fill is done
+    assert rec.refills == 2 and rec.idle_bytes == (3 << 20) + (8 << 20)
+    ready = {m_ptr for m_ptr in (torch.frombuffer(m, dtype=torch.uint8).data_ptr()
+                                 for ms in rec.idle.values() for m in ms)}
+    second = [hostmem.host_empty((3 << 20,), torch.uint8), hostmem.host_empty((6 << 20,), torch.uint8)]
+    assert second[0].data_ptr() in ready and rec.idle_bytes == 0
+    second[0].fill_(1)
+    assert not first[0].eq(1).all()
+    # bounded: a refill stops at `keep`
+    rec.taken = {(16 << 20, True): 4}
+    rec.refill_soon()
+    hostmem._filler().submit(lambda: None).result()
+    assert rec.idle_bytes <= 32 << 20

@@ -23,7 +23,7 @@ from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
-from ..frontend.delivery import FetchBatcher, failed, no_gc, results_for
+from ..frontend.delivery import FetchBatcher, delivered, failed, no_gc, results_for
 from ..frontend.state import FrontendState, maybe_state, state_of
 from ..results import ATTR, Results
 from ..server import encode
@@ -98,7 +98,9 @@ async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Resu
         # follows still finds the request and discards its results on the workers.
         st.pop_pending(request_id)
         with no_gc():
-            return results_for(st, view, entries, res, opened)
+            got = results_for(st, view, entries, res, opened)
+        delivered()
+        return got
     except Exception as e:  # the generation succeeded: report, never fail the HTTP request
         st.pop_pending(request_id)
         log.exception("vllm_hook: fetching results of %s failed", request_id)

@@ -28,7 +28,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 HUGE = 2 << 20
-MIN_BYTES = 2 * HUGE   # smaller tensors gain little, and would waste up to half a huge page
+MIN_BYTES = 2 * HUGE   # huge pages from here: smaller tensors would waste up to half of one
+RECYCLE_FROM = 1 << 20  # mappings (reused, `Recycler`) from here; below, malloc's memory
+GRAIN = 256 << 10       # below MIN_BYTES, mapping sizes in these steps: like sizes reuse alike
 
 
 # Idle mappings a process keeps for reuse, at most: a batch's float32 rows of a mixed batch of
@@ -37,24 +39,37 @@ KEEP_IDLE_BYTES = 1 << 30
 
 
 def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised, writable CPU tensor; huge-page backed from 4 MiB up, in a mapping
-    reused once no tensor views it (`Recycler`). The memory lives as long as a tensor viewing
-    it."""
+    """An uninitialised, writable CPU tensor; from 1 MiB in a mapping reused once no tensor
+    views it (`Recycler`), huge-page backed from 4 MiB. The memory lives as long as a tensor
+    viewing it."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if nbytes < RECYCLE_FROM or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
-    size = -(-(nbytes + HUGE) // HUGE) * HUGE       # in whole huge pages: like sizes reuse alike
-    m = RECYCLER.take(size)
+    size, huge = _mapping_size(nbytes)
+    m = RECYCLER.take(size, huge)
     if m is None:
-        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m = _new_mapping(size, huge)
+    raw = torch.frombuffer(m, dtype=torch.uint8)
+    RECYCLER.lend(m, raw)
+    start = -raw.data_ptr() % HUGE if huge else 0   # huge pages need 2 MiB-aligned ranges
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def _mapping_size(nbytes: int) -> tuple[int, bool]:
+    """(bytes to map, huge pages?) for a tensor of `nbytes`; a huge one has room to align."""
+    if nbytes >= MIN_BYTES:
+        return -(-(nbytes + HUGE) // HUGE) * HUGE, True
+    return -(-nbytes // GRAIN) * GRAIN, False
+
+
+def _new_mapping(size: int, huge: bool) -> mmap.mmap:
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge:
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass
-    raw = torch.frombuffer(m, dtype=torch.uint8)
-    RECYCLER.lend(m, raw)
-    start = -raw.data_ptr() % HUGE                 # huge pages need 2 MiB-aligned ranges
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    return m
 
 
 class Recycler:
@@ -62,19 +77,31 @@ class Recycler:
     Results; a payload was parsed): a later tensor of a like size reuses their pages instead
     of faulting in fresh ones, each of which the kernel zeroes first (6 MiB of float32 rows
     took 722 µs into fresh memory, 90 into reused, on the H200 host: run 67). Idle mappings
-    up to `keep` bytes; the rest are unmapped."""
+    up to `keep` bytes; the rest are unmapped.
+
+    A user who keeps a batch's outputs while the next batch runs (`outs = llm.generate(...)`
+    in a loop) frees them only after the next batch's results are built, so those would
+    always get fresh pages: `refill_soon` (called after a delivery) maps and touches, on a
+    background thread while the next batch runs, as many mappings as were taken since its
+    last call, so the next delivery finds its memory ready. That costs up to one batch's
+    results of memory more, within `keep`."""
 
     def __init__(self, keep: int = KEEP_IDLE_BYTES):
         self.keep = keep
         self.lent: deque[tuple[mmap.mmap, StorageWeakRef]] = deque()
         self.idle: dict[int, list[mmap.mmap]] = {}     # by size
         self.idle_bytes = 0
+        self.taken: dict[tuple[int, bool], int] = {}   # (size, huge) -> count since refill_soon
+        self.refills = 0                               # mappings readied in the background
         self._scan_at = 64
         self._lock = threading.Lock()
+        self._filling = False
 
-    def take(self, size: int) -> mmap.mmap | None:
+    def take(self, size: int, huge: bool = True) -> mmap.mmap | None:
         """An idle mapping of `size` bytes to twice that, the smallest, or None."""
         with self._lock:
+            if len(self.taken) < 1024 or (size, huge) in self.taken:
+                self.taken[(size, huge)] = self.taken.get((size, huge), 0) + 1
             self._reap()
             fits = [n for n in self.idle if size <= n <= 2 * size]
             if not fits:
@@ -89,6 +116,38 @@ class Recycler:
     def lend(self, m: mmap.mmap, raw: torch.Tensor) -> None:
         with self._lock:
             self.lent.append((m, StorageWeakRef(raw.untyped_storage())))
+
+    def refill_soon(self) -> None:
+        """Ready idle mappings for what was taken since the last call, in the background."""
+        with self._lock:
+            if self._filling or not self.taken:
+                return
+            want, self.taken = self.taken, {}
+            self._filling = True
+        _filler().submit(self._fill, want)
+
+    def _fill(self, want: dict[tuple[int, bool], int]) -> None:
+        try:
+            for (size, huge), count in want.items():
+                with self._lock:
+                    self._reap()
+                    count -= len(self.idle.get(size, ()))
+                for _ in range(count):
+                    with self._lock:
+                        if self.idle_bytes + size > self.keep:
+                            return
+                    m = _new_mapping(size, huge)
+                    raw = torch.frombuffer(m, dtype=torch.uint8)
+                    start = -raw.data_ptr() % HUGE if huge else 0
+                    # Fault in the pages a tensor will use (torch releases the GIL meanwhile).
+                    raw[start:start + size - (HUGE if huge else 0)].zero_()
+                    del raw
+                    with self._lock:
+                        self.idle.setdefault(size, []).append(m)
+                        self.idle_bytes += size
+                        self.refills += 1
+        finally:
+            self._filling = False
 
     def _reap(self) -> None:
         """Take back the lent mappings no tensor views any more: the oldest first, stopping at
@@ -117,6 +176,16 @@ class Recycler:
             return
         self.idle.setdefault(n, []).append(m)
         self.idle_bytes += n
+
+
+_filler_pool: ThreadPoolExecutor | None = None
+
+
+def _filler() -> ThreadPoolExecutor:
+    global _filler_pool
+    if _filler_pool is None:
+        _filler_pool = ThreadPoolExecutor(1, thread_name_prefix="vllm_hook_prefault")
+    return _filler_pool
 
 
 RECYCLER = Recycler()

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..delivery.arena import FRONTEND as ARENAS
-from ..delivery.hostmem import one_thread
+from ..delivery.hostmem import RECYCLER, one_thread
 from ..delivery.nogc import no_gc
 from ..delivery.spill import open_entry, spill_target
 from ..delivery.store import parse_batch
@@ -160,6 +160,13 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
         st.timing["fetch_rpc_s"] += time.perf_counter() - t
         st.timing["fetches"] += 1
         _attach_all(st, todo, fetched, failure)
+    delivered()
+
+
+def delivered() -> None:
+    """After a delivery: the next one's host memory readied in the background while its batch
+    runs (`hostmem.Recycler.refill_soon`)."""
+    RECYCLER.refill_soon()
 
 
 def _attach_all(st: FrontendState, todo: list, fetched: dict, failure: str | None) -> None:
