@@ -200,6 +200,45 @@ def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go(monke
         batch_to_wire([({"req_id": "0"}, {"g1": rows})], None, None, a)
     assert a.stats()["arena_pieces_out"] == 0
 
+    # Rows of several chunks: a prompt block and a decode run's strided view (`delivery.runs`:
+    # [steps, rows, width] transposed), lent as one reference to both parts, joined (and
+    # converted) by the frontend's parse in one copy per part, bit for bit; the pieces go
+    # back as soon as they are copied.
+    monkeypatch.undo()
+    from vllm_hook.delivery.hostmem import Chunked
+
+    prompt = a.alloc((2, 100, 128), torch.float32)
+    run_buf = a.alloc((30, 3, 128), torch.float32)           # 30 steps of 3 rows: 2 points + 1
+    prompt.copy_(torch.randn_like(prompt))
+    run_buf.copy_(torch.randn_like(run_buf))
+    steps = run_buf[:, 1:3].transpose(0, 1)                  # [2 points, 30 steps, 128], strided
+    want = torch.cat([prompt, steps], dim=1)
+    wire = batch_to_wire([({"req_id": "0"}, {"g1-2": Chunked([prompt, steps]), "g1-2.pos": torch.arange(130)})],
+                         None, None, a)
+    assert len(wire["lent"]["0/g1-2"]["parts"]) == 2 and "strides" in wire["lent"]["0/g1-2"]["parts"][1]
+    for dtype in ("model", "float32"):
+        (pts, meta), = parse_batch(wire["blob"], dtype, front.views(wire["lent"]))
+        assert meta["_fresh"] == {1, 2} and meta["_owned"]
+        assert torch.equal(pts[1][1], want[0]) and torch.equal(pts[2][1], want[1])
+    gc.collect()
+    assert a.stats()["arena_pieces_out"] == 0           # copied out: released at once
+    del pts, meta, prompt, run_buf, steps, wire, rows
+    gc.collect()
+    assert a.stats()["arena_used_bytes"] == 0
+
+    # A part not in the arena (a decode step routed on its own) travels by value beside the
+    # lent ones.
+    prompt = a.alloc((2, 100, 128), torch.float32).normal_()
+    step = torch.randn(2, 1, 128)
+    wire = batch_to_wire([({"req_id": "0"}, {"g1-2": Chunked([prompt, step]), "g1-2.pos": torch.arange(101)})],
+                         None, None, a)
+    assert wire["lent"]["0/g1-2"]["parts"][1] == {"entry": "0/g1-2#1"}
+    (pts, meta), = parse_batch(wire["blob"], "float32", front.views(wire["lent"]))
+    assert torch.equal(pts[2][1], torch.cat([prompt, step], dim=1)[1]) and meta["_fresh"] == {1, 2}
+    del prompt, pts, meta, wire
+    gc.collect()
+    assert a.stats()["arena_used_bytes"] == 0 and a.stats()["arena_pieces_out"] == 0
+
 
 def test_frontend_maps_only_an_arena_it_can_verify():
     from vllm_hook.delivery import arena as A

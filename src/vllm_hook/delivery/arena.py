@@ -39,6 +39,8 @@ import weakref
 import numpy as np
 import torch
 
+from .hostmem import Chunked
+
 log = logging.getLogger("vllm_hook")
 
 ALIGN = 4096
@@ -160,21 +162,28 @@ class Arena:
         return t.device.type == "cpu" and self._block_of(t) is not None
 
     def _block_of(self, t: torch.Tensor) -> int | None:
+        span = _span(t)
         start = t.data_ptr() - self._ptr
-        if start < HEADER or start >= self.size:
+        if span is None or start < HEADER or start >= self.size:
             return None
-        offs = sorted(self._blocks)     # few blocks (one per large step and pool)
+        offs = sorted(self._blocks)     # few blocks (one per large step and pool, one per run)
         i = bisect.bisect(offs, start) - 1
         if i < 0:
             return None
         off = offs[i]
-        end = start + t.numel() * t.element_size()
-        return off if end <= off + self._blocks[off][0] else None
+        return off if start + span <= off + self._blocks[off][0] else None
 
-    def lend(self, t: torch.Tensor) -> dict | None:
-        """A reference to contiguous `t` (in the arena) the frontend can view: its block stays
-        until the frontend releases it. None when `t` is not in the arena or no flag is free."""
-        if t.device.type != "cpu" or not t.is_contiguous() or not self._slots:
+    def lend(self, t: "torch.Tensor | Chunked") -> dict | None:
+        """A reference to `t` (in the arena: contiguous, or a strided view such as a request's
+        rows of a decode run) the frontend can view: its block stays until the frontend
+        releases it. None when it is not in the arena or no flag is free. For a `Chunked`,
+        {"parts": [reference or None]}, None when no part is lent."""
+        if isinstance(t, Chunked):
+            # Part by part: a part not in the arena (a decode step routed on its own, copied
+            # to host memory) is None here, and its caller sends it by value.
+            parts = [self.lend(p) for p in t.parts]
+            return {"parts": parts} if any(parts) else None
+        if t.device.type != "cpu" or not self._slots:
             return None
         off = self._block_of(t)
         if off is None:
@@ -183,16 +192,22 @@ class Arena:
         self.flags[slot] = HELD
         self._lent[slot] = off
         self._blocks[off][2] += 1
-        n = t.numel() * t.element_size()
+        n = _span(t)
         self.pieces_lent += 1
         self.bytes_lent += n
-        return {"token": self.token.hex(), "offset": t.data_ptr() - self._ptr, "nbytes": n,
-                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "slot": slot}
+        ref = {"token": self.token.hex(), "offset": t.data_ptr() - self._ptr, "nbytes": n,
+               "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "slot": slot}
+        if not t.is_contiguous():
+            ref["strides"] = list(t.stride())
+        return ref
 
     def unlend(self, refs) -> None:
         """Take back pieces lent for a reply that will not be sent (its write failed)."""
         for ref in refs:
-            self.flags[ref["slot"]] = FREE
+            if "parts" in ref:
+                self.unlend(ref["parts"])
+            elif ref and "slot" in ref:
+                self.flags[ref["slot"]] = FREE
         self.reclaim()
 
     def reclaim(self) -> int:
@@ -221,6 +236,13 @@ class Arena:
                 "arena_pieces_out": len(self._lent), "arena_pieces_lent": self.pieces_lent,
                 "arena_bytes_lent": self.bytes_lent}
 
+
+
+def _span(t: torch.Tensor) -> int | None:
+    """Bytes from `t`'s first element to past its last (None: a negative stride)."""
+    if t.numel() == 0 or any(st < 0 for st in t.stride()):
+        return None if t.numel() else 0
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
 def _close(fd: int, registered_ptr: int | None) -> None:
@@ -324,10 +346,13 @@ class FrontendArenas:
         self._maps[token] = (m, np.frombuffer(m, dtype=np.uint8, count=SLOTS, offset=TOKEN_BYTES),
                              path, (st.st_dev, st.st_ino))
 
-    def view(self, ref: dict) -> torch.Tensor:
+    def view(self, ref: dict) -> "torch.Tensor | list":
         """The lent piece `ref` as a tensor (writable: the caller's to keep); released to the
         worker when the last view of it is freed. Every call for one piece views one base, so
-        the piece is released once, when the last of them goes."""
+        the piece is released once, when the last of them goes. A reference to parts gives a
+        list: each part's tensor, or the name of its payload entry (sent by value)."""
+        if "parts" in ref:
+            return [r["entry"] if "entry" in r else self.view(r) for r in ref["parts"]]
         key = (ref["token"], ref["slot"])
         arr = self._pieces.get(key)
         if arr is None:
@@ -335,7 +360,9 @@ class FrontendArenas:
             arr = np.frombuffer(m, dtype=np.uint8, count=ref["nbytes"], offset=ref["offset"])
             weakref.finalize(arr, _release, flags, ref["slot"])
             self._pieces[key] = arr
-        return torch.from_numpy(arr).view(getattr(torch, ref["dtype"])).view(ref["shape"])
+        t = torch.from_numpy(arr).view(getattr(torch, ref["dtype"]))
+        strides = ref.get("strides")
+        return t.as_strided(ref["shape"], strides) if strides is not None else t.view(ref["shape"])
 
     def views(self, refs: dict[str, dict] | None) -> dict[str, torch.Tensor]:
         """A reply's lent pieces, viewed as soon as it arrives: whatever becomes of the reply

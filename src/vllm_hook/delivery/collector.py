@@ -60,7 +60,7 @@ class Collector:
         run = self._run
         if run is None or not run.follows(template, step):
             self.close_run()
-            run = self._run = DecodeRun(template, step, self.pools)
+            run = self._run = DecodeRun(template, step, self.pools, self.arena)
             self._pending.append(run)
         run.add()
         self.bytes_copied += run.step_bytes

@@ -4,22 +4,28 @@ A run is a sequence of decode steps that repeat one routing (`worker.repeat`): t
 segments, every position one further each step. Each step's pool rows go, by one
 asynchronous copy per pool, into the next slot of a pinned buffer [steps, rows, width]; no
 per-request work happens on the step path. When the run ends, each request's store gets its
-rows of every step as a view of that buffer ([points, steps, width], strided): the fetch copies
-them once, into the payload, as it does any stored rows; copying them out here too cost one
-more pass over every decode row, into fresh memory, per request and run (host time per step is
-what a hooked batch adds to vLLM's, docs/benchmarks.md). Pinned memory is bounded: beyond the
-collector's budget, and for "last" selections (two rows of a whole buffer), rows are copied out. Each view is charged
-its share of the buffer's capacity, so a run cut short cannot pin more than the budget says.
+rows of every step as a view of that buffer ([points, steps, width], strided). The buffer is
+a block of the worker's shared arena (`delivery.arena`) where it has room: a fetch then lends
+each request's views to the frontend, which reads them in place (no worker write, no frontend
+read: the mixed batch's worker fetch was 480 µs a request of its batch at 64 x 128 + 128 on
+the H200, run 69). Else pinned memory, which the fetch copies once, into the payload; copying
+the rows out here too cost one more pass over every decode row, into fresh memory, per request
+and run (host time per step is what a hooked batch adds to vLLM's, docs/benchmarks.md).
+Pinned memory is bounded: beyond the collector's budget, and for "last" selections (two rows
+of a whole buffer), rows are copied out. Each view is charged its share of the buffer's
+capacity, so a run cut short cannot pin more than the budget says.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
 import torch
 
 from ..routing import Segment, StepRouting
+from .arena import MIN_BLOCK_BYTES, Arena
 from .hostmem import host_empty
 
 RUN_BYTES = 16 << 20     # pinned bytes per run; a run this full is closed and a new one opened
@@ -27,7 +33,8 @@ MAX_STEPS = 256
 
 
 class DecodeRun:
-    def __init__(self, template: StepRouting, first_step: int, pools: list[torch.Tensor | None]):
+    def __init__(self, template: StepRouting, first_step: int, pools: list[torch.Tensor | None],
+                 arena: Arena | None = None):
         self.template = template
         self.first_step = first_step          # steps after the template's own
         self.steps = 0
@@ -37,10 +44,20 @@ class DecodeRun:
         self.capacity = max(1, min(MAX_STEPS, RUN_BYTES // max(self.step_bytes, 1)))
         self._src = {pid: pools[pid][:n] for pid, n in used.items()}
         on_device = next(iter(self._src.values())).device.type != "cpu"
-        self._bufs = {pid: torch.empty((self.capacity, *src.shape), dtype=src.dtype, pin_memory=on_device)
+        self._bufs = {pid: self._buffer(arena, (self.capacity, *src.shape), src.dtype, on_device)
                       for pid, src in self._src.items()}
+        self.in_arena = arena is not None and all(arena.holds(b) for b in self._bufs.values())
         self._event = torch.cuda.Event() if on_device else None     # CPU: copies are done at once
         self._stream = torch.cuda.current_stream() if on_device else None   # the steps' stream
+
+    @staticmethod
+    def _buffer(arena: Arena | None, shape: tuple, dtype: torch.dtype, on_device: bool) -> torch.Tensor:
+        """A run's buffer: in the arena (page-locked there on a GPU) where it has room."""
+        if arena is not None and math.prod(shape) * dtype.itemsize >= MIN_BLOCK_BYTES:
+            buf = arena.alloc(shape, dtype)
+            if buf is not None:
+                return buf
+        return torch.empty(shape, dtype=dtype, pin_memory=on_device)
 
     def follows(self, template: StepRouting, step: int) -> bool:
         """Whether `step` of `template` is this run's next step, with a slot for it."""
@@ -68,7 +85,8 @@ class DecodeRun:
         keeps a chunk: a view of the run's buffer where `keep(view, bytes)` (the pinned budget)
         allows, else a copy. A view holds the whole buffer: it is charged its share of the
         buffer's capacity, not only of the steps it holds (a run cut short keeps a buffer
-        sized for a full one)."""
+        sized for a full one). Views of a buffer in the arena are always kept: the arena
+        bounds itself."""
         if self._event is not None:
             self._event.synchronize()
         S = self.steps
@@ -77,7 +95,8 @@ class DecodeRun:
             G = len(seg.points)
             first = 0 if not seg.last_only else max(0, S - 2)   # "last" keeps the newest two
             rows = self._bufs[seg.pool][first:S, seg.pool_start:seg.pool_start + G].transpose(0, 1)  # [G, s, W]
-            if seg.last_only or keep is None or not keep(rows, int(rows.numel() * rows.element_size() * share)):
+            if seg.last_only or (not self.in_arena and (
+                    keep is None or not keep(rows, int(rows.numel() * rows.element_size() * share)))):
                 rows = host_empty(rows.shape, rows.dtype).copy_(rows)
             p0 = int(seg.positions[0]) + self.first_step + first
             deliver(Segment(seg.owner, seg.points, 0, np.arange(p0, p0 + S - first, dtype=np.int64),

@@ -177,7 +177,9 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
     concatenated across requests into one, each request's rows recorded in its metadata
     (`_packed`: name -> [first row, rows]); larger ones keep their own entry ("{j}/{name}"),
     written straight from where they are, or, when they lie in `arena` (`delivery.arena`,
-    lending to this frontend), sent as references to it ("lent": name -> reference, beside
+    lending to this frontend; a `Chunked` as one reference to its parts, those not in the
+    arena sent by value as "{j}/{name}#{k}"), sent as references to it ("lent": name ->
+    reference, beside
     the payload, so the frontend views them as the reply arrives, `FrontendArenas.views`).
     `common`: metadata every request shares, sent once.
     At 256 requests, per-tensor and per-file work was most of a small capture's delivery cost."""
@@ -201,12 +203,15 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
                 at += n
         else:
             for j, t in items:
-                ref = arena.lend(t) if (arena is not None and isinstance(t, torch.Tensor)
-                                        and t.numel() * t.element_size() >= PACK_BELOW) else None
+                ref = arena.lend(t) if (arena is not None and t.numel() * t.element_size() >= PACK_BELOW) else None
                 if ref is None:
                     tensors[f"{j}/{name}"] = t
-                else:
-                    refs[f"{j}/{name}"] = ref
+                    continue
+                refs[f"{j}/{name}"] = ref
+                for k, part in enumerate(ref.get("parts", ())):
+                    if part is None:             # not in the arena: by value, named "#k"
+                        ref["parts"][k] = {"entry": f"{j}/{name}#{k}"}
+                        tensors[f"{j}/{name}#{k}"] = t.parts[k]
     body = {"batch": [{**m, "_packed": pk} for (m, _), pk in zip(parts, packed)]}
     if common:
         body["common"] = common
@@ -261,9 +266,7 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
     common = meta.get("common") or {}
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in metas]
     lent = lent or {}
-    for full, t in lent.items():
-        j, _, name = full.rpartition("/")
-        tensors[int(j)][name] = t
+    by_value: dict[str, torch.Tensor] = {}        # parts of lent rows sent by value ("#k")
     shared: dict[str, torch.Tensor] = {}          # packed across the batch's requests
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # bytes are read-only: those views are only read
@@ -282,10 +285,25 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
             else:                                # unaligned for its dtype: a copy
                 t = torch.frombuffer(export, dtype=dt, count=(end - start) // dt.itemsize,
                                      offset=data + start).view(shape).clone()
-            if j or len(metas) == 1:
+            if "#" in name:
+                by_value[full] = t
+            elif j or len(metas) == 1:
                 tensors[int(j) if j else 0][name] = t.clone() if name.endswith(".pos") else t
             else:
                 shared[name] = t
+    chunked_fresh: dict[int, set[str]] = {}
+    for full, t in lent.items():
+        j, _, name = full.rpartition("/")
+        if isinstance(t, list):
+            # Rows of several chunks (a prompt block and decode runs), lent part by part:
+            # joined here, converted to `dtype` on the way, one copy per part.
+            t = Chunked([by_value[p] if isinstance(p, str) else p for p in t])
+            out = host_empty(tuple(t.shape), torch.float32 if dtype == "float32" else t.dtype)
+            copy_many(t.pairs(out))
+            t = out
+            if dtype is not None:
+                chunked_fresh.setdefault(int(j), set()).add(name)
+        tensors[int(j)][name] = t
     fresh_rows = set()
     for name, t in shared.items():
         # Positions and hook results: the user's to keep and change; copied once for all.
@@ -348,6 +366,8 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
                     pos = got[name + ".pos"]
                 for g, point in enumerate(group):
                     pts[point] = (pos, t[g])
+                if name in chunked_fresh.get(j, ()):
+                    fresh.update(group)
             elif not name.endswith(".pos"):
                 other[name] = t.clone()          # hook results: the user's to keep and change
         if other:
