@@ -447,6 +447,38 @@ def test_repeated_decode_steps_are_delivered_per_run(monkeypatch):
     gc.collect()
     assert c.pinned_kept == 0
 
+def test_decode_runs_lie_in_the_arena_trimmed_to_their_steps():
+    """With an arena, a run's buffer is a block of it with room for MAX_STEPS steps, given back
+    but for its steps when the run closes; the stores' rows are views of it (lent at fetch),
+    equal to the pool's rows step by step; the block is free once the stores let go."""
+    import gc
+
+    from vllm_hook.delivery.collector import Collector
+    from vllm_hook.delivery.store import RequestStore
+    from vllm_hook.routing import Segment, StepRouting
+
+    pool = torch.zeros(16, 1024)
+    store = RequestStore()
+    c = Collector([pool, None, None], lambda seg, rows, blocked=False: store.add(
+        seg.points, seg.positions, rows, seg.last_only, blocked), arena_bytes=32 << 20)
+    template = StepRouting([Segment("a", (0, 5, 7), 0, np.array([10]), False, 0, np.array([0]))], {0: 3})
+    written = []
+    for k in range(7):
+        pool[:3] = torch.randn(3, 1024)
+        written.append(pool[:3].clone())
+        c.after_forward(template) if k == 0 else c.after_repeat(template, k)
+    c.after_forward(StepRouting())
+    c.drain()
+    assert c.arena.used == 6 * 3 * 1024 * 4          # six steps of the room for 256
+    (_, first), (_, run_rows) = store._chunks[(0, 5, 7)]
+    assert c.arena.holds(run_rows) and not run_rows.is_contiguous()
+    pos, rows = store.points()[7]
+    assert pos.tolist() == list(range(10, 17)) and torch.equal(rows, torch.stack([w[2] for w in written]))
+    del first, run_rows, rows, store
+    gc.collect()
+    assert c.arena.stats()["arena_used_bytes"] == 0
+
+
 def test_attention_scores_in_chunks_equal_one_pass(monkeypatch):
     """Chunked over query rows (bounded device memory) = the one-pass softmax (to float
     rounding: BLAS may block a 5-row product differently from a 37-row one)."""

@@ -116,6 +116,19 @@ class Arena:
         weakref.finalize(arr, self._views_gone, off)
         return torch.from_numpy(arr).view(dtype).view(shape)
 
+    def trim(self, t: torch.Tensor, nbytes: int) -> None:
+        """Give back the tail of `t`'s block (as `alloc` returned it) past its first `nbytes`:
+        nothing views or will write it."""
+        off = t.data_ptr() - self._ptr
+        block = self._blocks.get(off)
+        if block is None:
+            return
+        keep = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        if keep < block[0]:
+            self._give_back(off + keep, block[0] - keep)
+            self.used -= block[0] - keep
+            block[0] = keep
+
     def _take(self, n: int) -> int | None:
         size = -(-n // ALIGN) * ALIGN
         for i, (off, free) in enumerate(self._free):

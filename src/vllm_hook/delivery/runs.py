@@ -18,7 +18,6 @@ capacity, so a run cut short cannot pin more than the budget says.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import numpy as np
@@ -29,6 +28,7 @@ from .arena import MIN_BLOCK_BYTES, Arena
 from .hostmem import host_empty
 
 RUN_BYTES = 16 << 20     # pinned bytes per run; a run this full is closed and a new one opened
+ARENA_RUN_BYTES = 256 << 20   # a run's room in the arena (at most an 8th of it), trimmed at close
 MAX_STEPS = 256
 
 
@@ -41,23 +41,37 @@ class DecodeRun:
         self.closed = False
         used = {pid: n for pid, n in template.pool_used.items() if n}
         self.step_bytes = sum(n * pools[pid].shape[1] * pools[pid].element_size() for pid, n in used.items())
-        self.capacity = max(1, min(MAX_STEPS, RUN_BYTES // max(self.step_bytes, 1)))
         self._src = {pid: pools[pid][:n] for pid, n in used.items()}
         on_device = next(iter(self._src.values())).device.type != "cpu"
-        self._bufs = {pid: self._buffer(arena, (self.capacity, *src.shape), src.dtype, on_device)
-                      for pid, src in self._src.items()}
-        self.in_arena = arena is not None and all(arena.holds(b) for b in self._bufs.values())
+        self._arena = arena
+        self._bufs = self._in_arena(arena)
+        self.in_arena = self._bufs is not None
+        if self._bufs is None:
+            self.capacity = self._capacity(RUN_BYTES)
+            self._bufs = {pid: torch.empty((self.capacity, *src.shape), dtype=src.dtype, pin_memory=on_device)
+                          for pid, src in self._src.items()}
         self._event = torch.cuda.Event() if on_device else None     # CPU: copies are done at once
         self._stream = torch.cuda.current_stream() if on_device else None   # the steps' stream
 
-    @staticmethod
-    def _buffer(arena: Arena | None, shape: tuple, dtype: torch.dtype, on_device: bool) -> torch.Tensor:
-        """A run's buffer: in the arena (page-locked there on a GPU) where it has room."""
-        if arena is not None and math.prod(shape) * dtype.itemsize >= MIN_BLOCK_BYTES:
-            buf = arena.alloc(shape, dtype)
-            if buf is not None:
-                return buf
-        return torch.empty(shape, dtype=dtype, pin_memory=on_device)
+    def _capacity(self, nbytes: int) -> int:
+        return max(1, min(MAX_STEPS, nbytes // max(self.step_bytes, 1)))
+
+    def _in_arena(self, arena: Arena | None) -> dict[int, torch.Tensor] | None:
+        """Buffers in the arena (page-locked there on a GPU) where it has room: room for
+        MAX_STEPS steps, or ARENA_RUN_BYTES, the unused steps given back when the run closes
+        (few long runs: a request's rows in few parts). None: pinned memory instead."""
+        if arena is None:
+            return None
+        self.capacity = self._capacity(min(ARENA_RUN_BYTES, arena.size // 8))
+        if self.capacity * self.step_bytes < MIN_BLOCK_BYTES:
+            return None
+        bufs = {}
+        for pid, src in self._src.items():
+            buf = arena.alloc((self.capacity, *src.shape), src.dtype)
+            if buf is None:
+                return None          # the others' ranges go back with their last view
+            bufs[pid] = buf
+        return bufs
 
     def follows(self, template: StepRouting, step: int) -> bool:
         """Whether `step` of `template` is this run's next step, with a slot for it."""
@@ -72,10 +86,14 @@ class DecodeRun:
 
     def close(self) -> None:
         """No more steps. The event is recorded now, on the steps' stream, not per step: it
-        covers every copy queued before it (and at most a later forward, a step's delay)."""
+        covers every copy queued before it (and at most a later forward, a step's delay).
+        An arena buffer's unused steps go back to the arena (no copy was queued there)."""
         if self._event is not None:
             self._event.record(self._stream)
         self.closed = True
+        if self.in_arena:
+            for buf in self._bufs.values():
+                self._arena.trim(buf, self.steps * buf[0].numel() * buf.element_size())
 
     def ready(self) -> bool:
         return self.closed and (self._event is None or self._event.query())
