@@ -458,8 +458,8 @@ def test_decode_runs_lie_in_the_arena_trimmed_to_their_steps():
     from vllm_hook.routing import Segment, StepRouting
 
     pool = torch.zeros(16, 1024)
-    store = RequestStore()
-    c = Collector([pool, None, None], lambda seg, rows, blocked=False: store.add(
+    stores = [RequestStore()]
+    c = Collector([pool, None, None], lambda seg, rows, blocked=False: stores[0].add(
         seg.points, seg.positions, rows, seg.last_only, blocked), arena_bytes=32 << 20)
     template = StepRouting([Segment("a", (0, 5, 7), 0, np.array([10]), False, 0, np.array([0]))], {0: 3})
     written = []
@@ -470,11 +470,12 @@ def test_decode_runs_lie_in_the_arena_trimmed_to_their_steps():
     c.after_forward(StepRouting())
     c.drain()
     assert c.arena.used == 6 * 3 * 1024 * 4          # six steps of the room for 256
-    (_, first), (_, run_rows) = store._chunks[(0, 5, 7)]
+    (_, first), (_, run_rows) = stores[0]._chunks[(0, 5, 7)]
     assert c.arena.holds(run_rows) and not run_rows.is_contiguous()
-    pos, rows = store.points()[7]
+    pos, rows = stores[0].points()[7]
     assert pos.tolist() == list(range(10, 17)) and torch.equal(rows, torch.stack([w[2] for w in written]))
-    del first, run_rows, rows, store
+    del first, run_rows, rows
+    stores.clear()
     gc.collect()
     assert c.arena.stats()["arena_used_bytes"] == 0
 
