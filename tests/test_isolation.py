@@ -151,7 +151,7 @@ def test_large_captures_are_lent_from_the_workers_arena_and_released(llm):
 def test_decode_rows_are_lent_from_the_arena_part_by_part(llm):
     """Repeated decode steps gather their rows in a run's buffer in the worker's arena
     (`delivery.runs`): a request's all-token rows (its prompt block, the decode step routed on
-    its own, the runs) reach the frontend as references to the lent parts, the others by
+    its own, the runs) reach the frontend as one reference to the lent parts, the others by
     value, joined and converted there. They equal the same tokens' rows recomputed as a
     prompt (fp32, <= 1e-4), and every lent piece is back once the results are built."""
     ids = [ids_of(llm, PROMPTS[i]) for i in range(2)]
@@ -159,7 +159,7 @@ def test_decode_rows_are_lent_from_the_arena_part_by_part(llm):
     before = vllm_hook.stats(llm).get("arena_pieces_lent", 0)
     outs = run(llm, ids, [sp(spec, max_tokens=40)] * 2)
     stats = vllm_hook.stats(llm)
-    assert stats["arena_pieces_lent"] >= before + 2, (before, stats)      # a run each, at least
+    assert stats["arena_pieces_lent"] >= before + 2, (before, stats)      # one a request
     assert stats["arena_pieces_out"] == 0
     for p, o in zip(ids, outs):
         got = res(o)

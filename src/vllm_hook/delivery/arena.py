@@ -88,7 +88,7 @@ class Arena:
         weakref.finalize(self, _close, self.fd, self._ptr if registered else None)
         self._free: list[tuple[int, int]] = [(HEADER, self.size - HEADER)]   # (offset, size), sorted
         self._blocks: dict[int, list[int]] = {}    # offset -> [size, worker views alive?, pieces lent]
-        self._lent: dict[int, int] = {}            # slot -> block offset
+        self._lent: dict[int, list[int]] = {}      # slot -> offsets of the blocks it holds
         self._slots = list(range(SLOTS - 1, -1, -1))
         self._gone: list[int] = []                 # blocks whose worker views died (any thread)
         self.used = 0
@@ -189,27 +189,36 @@ class Arena:
     def lend(self, t: "torch.Tensor | Chunked") -> dict | None:
         """A reference to `t` (in the arena: contiguous, or a strided view such as a request's
         rows of a decode run) the frontend can view: its block stays until the frontend
-        releases it. None when it is not in the arena or no flag is free. For a `Chunked`,
-        {"parts": [reference or None]}, None when no part is lent."""
-        if isinstance(t, Chunked):
-            # Part by part: a part not in the arena (a decode step routed on its own, copied
-            # to host memory) is None here, and its caller sends it by value.
-            parts = [self.lend(p) for p in t.parts]
-            return {"parts": parts} if any(parts) else None
-        if t.device.type != "cpu" or not self._slots:
+        releases it. None when it is not in the arena or no flag is free.
+
+        A `Chunked` (a request's prompt block and decode runs) is lent under one flag, viewed
+        through one base spanning its parts ({"parts": [[offset in the span, shape, strides]
+        or None]}: the frontend copies them out at once, so one release for all costs
+        nothing, and viewing each part on its own cost 16 µs a part); a part not in the
+        arena (a decode step routed on its own, in host memory) is None, sent by value."""
+        parts = t.parts if isinstance(t, Chunked) else [t]
+        if not self._slots or any(p.device.type != "cpu" for p in parts):
             return None
-        off = self._block_of(t)
-        if off is None:
+        blocks = [self._block_of(p) for p in parts]
+        inside = [p for p, b in zip(parts, blocks) if b is not None]
+        if not inside:
             return None
+        start = min(p.data_ptr() for p in inside)
+        end = max(p.data_ptr() + _span(p) for p in inside)
         slot = self._slots.pop()
         self.flags[slot] = HELD
-        self._lent[slot] = off
-        self._blocks[off][2] += 1
-        n = _span(t)
+        self._lent[slot] = [b for b in blocks if b is not None]
+        for b in self._lent[slot]:
+            self._blocks[b][2] += 1
         self.pieces_lent += 1
-        self.bytes_lent += n
-        ref = {"token": self.token.hex(), "offset": t.data_ptr() - self._ptr, "nbytes": n,
-               "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "slot": slot}
+        self.bytes_lent += sum(_span(p) for p in inside)
+        ref = {"token": self.token.hex(), "offset": start - self._ptr, "nbytes": end - start,
+               "dtype": str(t.dtype).removeprefix("torch."), "slot": slot}
+        if isinstance(t, Chunked):
+            ref["parts"] = [None if b is None else [p.data_ptr() - start, list(p.shape), list(p.stride())]
+                            for p, b in zip(parts, blocks)]
+            return ref
+        ref["shape"] = list(t.shape)
         if not t.is_contiguous():
             ref["strides"] = list(t.stride())
         return ref
@@ -217,10 +226,7 @@ class Arena:
     def unlend(self, refs) -> None:
         """Take back pieces lent for a reply that will not be sent (its write failed)."""
         for ref in refs:
-            if "parts" in ref:
-                self.unlend(ref["parts"])
-            elif ref and "slot" in ref:
-                self.flags[ref["slot"]] = FREE
+            self.flags[ref["slot"]] = FREE
         self.reclaim()
 
     def reclaim(self) -> int:
@@ -231,11 +237,11 @@ class Arena:
         slots = np.fromiter(self._lent, dtype=np.int64, count=len(self._lent))
         done = slots[self.flags[slots] == FREE]
         for slot in done.tolist():
-            off = self._lent.pop(slot)
             self._slots.append(slot)
-            block = self._blocks[off]
-            block[2] -= 1
-            self._maybe_free(off, block)
+            for off in self._lent.pop(slot):
+                block = self._blocks[off]
+                block[2] -= 1
+                self._maybe_free(off, block)
         return len(done)
 
     def offer(self) -> dict:
@@ -363,9 +369,7 @@ class FrontendArenas:
         """The lent piece `ref` as a tensor (writable: the caller's to keep); released to the
         worker when the last view of it is freed. Every call for one piece views one base, so
         the piece is released once, when the last of them goes. A reference to parts gives a
-        list: each part's tensor, or the name of its payload entry (sent by value)."""
-        if "parts" in ref:
-            return [r["entry"] if "entry" in r else self.view(r) for r in ref["parts"]]
+        list: each part's tensor, or None for a part sent by value."""
         key = (ref["token"], ref["slot"])
         arr = self._pieces.get(key)
         if arr is None:
@@ -373,7 +377,12 @@ class FrontendArenas:
             arr = np.frombuffer(m, dtype=np.uint8, count=ref["nbytes"], offset=ref["offset"])
             weakref.finalize(arr, _release, flags, ref["slot"])
             self._pieces[key] = arr
-        t = torch.from_numpy(arr).view(getattr(torch, ref["dtype"]))
+        dtype = getattr(torch, ref["dtype"])
+        base = torch.from_numpy(arr)
+        if "parts" in ref:
+            return [None if p is None else base[p[0]:].view(dtype).as_strided(p[1], p[2])
+                    for p in ref["parts"]]
+        t = base.view(dtype)
         strides = ref.get("strides")
         return t.as_strided(ref["shape"], strides) if strides is not None else t.view(ref["shape"])
 

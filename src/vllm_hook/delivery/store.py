@@ -210,7 +210,6 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
                 refs[f"{j}/{name}"] = ref
                 for k, part in enumerate(ref.get("parts", ())):
                     if part is None:             # not in the arena: by value, named "#k"
-                        ref["parts"][k] = {"entry": f"{j}/{name}#{k}"}
                         tensors[f"{j}/{name}#{k}"] = t.parts[k]
     body = {"batch": [{**m, "_packed": pk} for (m, _), pk in zip(parts, packed)]}
     if common:
@@ -297,7 +296,7 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
         if isinstance(t, list):
             # Rows of several chunks (a prompt block and decode runs), lent part by part:
             # joined here, converted to `dtype` on the way, one copy per part.
-            t = Chunked([by_value[p] if isinstance(p, str) else p for p in t])
+            t = Chunked([by_value[f"{full}#{k}"] if p is None else p for k, p in enumerate(t)])
             out = host_empty(tuple(t.shape), torch.float32 if dtype == "float32" else t.dtype)
             copy_many(t.pairs(out))
             t = out
