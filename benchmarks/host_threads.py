@@ -94,6 +94,46 @@ def main() -> None:
         build()
         line.append(f"{label} {timed(build, args.reps, 0):.0f}")
     print("6 MiB float32 rows into host_empty, µs: " + ", ".join(line))
+    batch_conversion(args.reps)
+
+
+def batch_conversion(reps: int) -> None:
+    """A fetch's float32 conversion of the all-token capture third of a mixed batch: R
+    requests' rows at 4 layers, a 128-token prompt block (contiguous per request) and a
+    128-step decode run (strided: [steps, rows, width]), bf16, into each request's float32
+    block [4, 256, 1536] (reused memory): per layer and part on torch's threads (what the
+    parse and build do), per part on torch's threads, or the requests spread over the
+    plugin's copy threads with torch on one."""
+    for R in (21, 85):
+        prompt = torch.randn(R * 4 * 128, 1536).bfloat16()
+        run = torch.randn(128, R * 4, 1536).bfloat16()
+        srcs = [(prompt[r * 512:(r + 1) * 512].view(4, 128, 1536), run[:, r * 4:(r + 1) * 4].transpose(0, 1))
+                for r in range(R)]
+        dsts = [torch.empty(4, 256, 1536) for _ in range(R)]
+
+        def per_layer():
+            with hostmem.one_thread():
+                for (p, q), d in zip(srcs, dsts):
+                    hostmem.copy_many([(d[g, :128], p[g]) for g in range(4)] + [(d[g, 128:], q[g]) for g in range(4)])
+
+        def per_part():
+            with hostmem.one_thread():
+                for (p, q), d in zip(srcs, dsts):
+                    hostmem.copy_many([(d[:, :128], p), (d[:, 128:], q)])
+
+        def one_request(r):
+            d, (p, q) = dsts[r], srcs[r]
+            d[:, :128].copy_(p)
+            d[:, 128:].copy_(q)
+
+        def over_threads():
+            with hostmem.one_thread():
+                hostmem._in_threads([(one_request, r) for r in range(R)])
+        mb = R * 4 * 256 * 1536 * 4 / 1e6
+        line = [f"{name} {timed(fn, reps, 0):.0f}" for name, fn in
+                (("per layer, torch's threads", per_layer), ("per part, torch's threads", per_part),
+                 ("requests over the plugin's threads", over_threads))]
+        print(f"{R} requests' rows to float32 ({mb:.0f} MB), µs: " + ", ".join(line))
 
 
 if __name__ == "__main__":

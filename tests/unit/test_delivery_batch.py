@@ -172,6 +172,8 @@ def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go(monke
     assert a.stats()["arena_pieces_out"] == 2
     for j, (pts, meta) in enumerate(out):
         assert meta["_owned"] and torch.equal(pts[2][1], rows[2 * j + 1])
+    for j, (pts, meta) in enumerate(again):      # float32: each group converted in one copy
+        assert meta["_fresh"] == {1, 2} and torch.equal(pts[2][1], rows[2 * j + 1])
     keep = out[0][0][2][1]
     del out, pts, meta, rows, parts, views, again
     gc.collect()
