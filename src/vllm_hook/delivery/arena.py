@@ -7,7 +7,8 @@ the device copies a step's rows straight into this arena (anonymous shared memor
 for the device once, when it is made), and a fetch sends each request's place in it
 (`lend`) instead of its bytes; the frontend maps the arena once and its results view it.
 
-Lifetimes. A block (one step's rows of one pool, every request's in that step) is held by
+Lifetimes. A block (one step's rows of one pool, every request's in that step; or a run of
+repeated decode steps, `delivery.runs`, trimmed to its steps when it closes) is held by
 the worker while a store views it and by the frontend while results view a piece lent from it;
 its range is reused only when both are done. The frontend's side is a flag byte per lent piece
 in the arena's header: set by the worker when it lends the piece, cleared by the frontend when
