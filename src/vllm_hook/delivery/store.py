@@ -179,8 +179,8 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
     written straight from where they are, or, when they lie in `arena` (`delivery.arena`,
     lending to this frontend; a `Chunked` as one reference to its parts, those not in the
     arena sent by value as "{j}/{name}#{k}"), sent as references to it ("lent": name ->
-    reference, beside
-    the payload, so the frontend views them as the reply arrives, `FrontendArenas.views`).
+    reference, beside the payload, so the frontend views them as the reply arrives,
+    `FrontendArenas.views`).
     `common`: metadata every request shares, sent once.
     At 256 requests, per-tensor and per-file work was most of a small capture's delivery cost."""
     groups: dict[str, list[tuple[int, torch.Tensor]]] = {}
