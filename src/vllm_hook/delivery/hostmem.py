@@ -3,7 +3,8 @@
 Copying a capture into freshly allocated memory costs a page fault per 4 KiB page, which is
 several times the copy itself (`benchmarks/host_memory.py`). Tensors from 1 MiB are therefore
 placed in anonymous mappings that are reused (`Recycler`), from 4 MiB advised to use
-transparent huge pages (2 MiB: 512x fewer faults) where the kernel allows it (`transparent_hugepage` = always or madvise); elsewhere
+transparent huge pages (2 MiB: 512x fewer faults) where the kernel allows it
+(`transparent_hugepage` = always or madvise); elsewhere
 the advice is ignored and this is an ordinary allocation. Where free memory is fragmented,
 the kernel may compact it to find a huge page, and that first touch stalls instead
 (`host_memory.py` reports the median next to the best time for that reason). Even huge pages
