@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
+from vllm_hook.delivery.arena import FRONTEND as ARENAS  # noqa: E402
 from vllm_hook.delivery.spill import open_entry, spill_target, write_spilled  # noqa: E402
 from vllm_hook.frontend.admission import _admit  # noqa: E402
 from vllm_hook.frontend.delivery import Opened, merge_ranks, no_gc  # noqa: E402
@@ -135,8 +136,13 @@ def main() -> None:
             # fetch of a process writes a fresh one): make one as large as this payload.
             open_entry({"path": write_spilled({"x": torch.empty(stored + (1 << 20), dtype=torch.uint8)}, {},
                                               spill["dir"])})
+        # The frontend has mapped the worker's arena (an engine's first fetch offers it).
+        arenas = ()
+        if rt.collector is not None and rt.collector.arena is not None:
+            ARENAS.adopt(rt.collector.arena.offer())
+            arenas = ARENAS.tokens()
         t = time.perf_counter()
-        fetched = merge_ranks([rt.fetch(keys, spill)])
+        fetched = merge_ranks([rt.fetch(keys, spill, arenas)])
         t_fetch = (time.perf_counter() - t) / n
         st = ip.__dict__[STATE_ATTR]
         items = st.pending["0"][1].items          # request 0 of the batch, as admitted

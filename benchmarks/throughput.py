@@ -33,7 +33,9 @@ STAGES = {  # counter (frontend or worker timing) -> stage name
     "worker.step_host_s": "routing (per step)", "worker.drain_s": "of which stored (hand-over)",
     "worker.repeated_s": "of which repeated steps", "worker.write_s": "worker write",
     "worker.fetch_s": "worker fetch (incl. write)",
-    "frontend.fetch_rpc_s": "fetch RPC (incl. worker write)", "frontend.read_s": "frontend read",
+    "frontend.fetch_rpc_s": "fetch RPC (incl. worker write)",
+    "frontend.rpc_to_worker_s": "of which to the worker", "frontend.rpc_back_s": "of which back",
+    "frontend.read_s": "frontend read",
     "frontend.build_s": "Results build"}
 
 
@@ -69,7 +71,9 @@ def run_case(native, plugin, name, spec_of, n, plen, gen, reps) -> dict:
     hooked_requests = n * reps
     stages = {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / hooked_requests for k, label in STAGES.items()}
     res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows, "host_us_per_request": stages,
-           "fetch_rpcs_per_rep": (after.get("frontend.fetches", 0) - before.get("frontend.fetches", 0)) / reps}
+           "fetch_rpcs_per_rep": (after.get("frontend.fetches", 0) - before.get("frontend.fetches", 0)) / reps,
+           "page_faults_per_request": (after.get("frontend.read_build_page_faults", 0)
+                                       - before.get("frontend.read_build_page_faults", 0)) / hooked_requests}
     for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s")):
         res[est] = median_ci([r[num] / r[den] for r in rows])
     res["tokens_per_s_native"] = n * gen / min(r["native_s"] for r in rows)
@@ -105,12 +109,13 @@ def report(result: dict) -> str:
                      f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {verdict(r)} | "
                      + (f"{gc_ms[0]:.1f} / {gc_ms[1]:.1f} |" if gc_ms else "– |"))
     lines += ["", "Plugin host time per hooked request by stage (µs, from its counters):", "",
-              "| workload | requests | gen | " + " | ".join(STAGES.values()) + " | fetch RPCs per batch |",
-              "|---|---|---|" + "---|" * (len(STAGES) + 1)]
+              "| workload | requests | gen | " + " | ".join(STAGES.values()) + " | fetch RPCs per batch "
+              "| frontend page faults in read and build, per request |",
+              "|---|---|---|" + "---|" * (len(STAGES) + 2)]
     for r in result.get("cases", []):
         lines.append(f"| {r['workload']} | {r['n']} | {r['gen']} | " +
                      " | ".join(f"{r['host_us_per_request'][s]:.0f}" for s in STAGES.values()) +
-                     f" | {r.get('fetch_rpcs_per_rep', 0):.1f} |")
+                     f" | {r.get('fetch_rpcs_per_rep', 0):.1f} | {r.get('page_faults_per_request', 0):.0f} |")
     return "\n".join(lines) + "\n"
 
 

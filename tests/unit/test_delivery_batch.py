@@ -241,6 +241,48 @@ def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go(monke
     gc.collect()
     assert a.stats()["arena_used_bytes"] == 0 and a.stats()["arena_pieces_out"] == 0
 
+    # Last-token captures: one row per point and request, the requests' rows back to back in
+    # two steps' blocks, fetched in another order: lent as one reference (a run per block),
+    # nothing packed into the payload; each request gets its own rows, bit for bit.
+    # 4 requests x 2 points each in a step's block of 4 KiB: the two blocks lie back to back
+    # in the arena, yet are two storages (two runs).
+    blocks = [a.alloc((4 * 2, 128), torch.float32).normal_() for _ in range(2)]
+    assert blocks[1].data_ptr() == blocks[0].data_ptr() + 4096
+    rows = [b[2 * r:2 * r + 2].reshape(2, 1, 128) for b in blocks for r in range(4)]
+    order = [4, 0, 5, 2, 7, 1, 3, 6]
+    parts = [({"req_id": str(i)}, {"g1-2": rows[i], "g1-2.pos": torch.tensor([7 + i])}) for i in order]
+    wire = batch_to_wire(parts, None, None, a)
+    assert set(wire["lent"]) == {"g1-2"} and len(wire["lent"]["g1-2"]["parts"]) == 2
+    assert "g1-2" not in store._header(wire["blob"])[0]
+    for dtype in ("model", "float32", None):
+        got = parse_batch(wire["blob"], dtype, front.views(wire["lent"]))
+        for (pts, meta), i in zip(got, order):
+            assert torch.equal(pts[1][1], rows[i][0]) and torch.equal(pts[2][1], rows[i][1])
+            assert pts[2][0].tolist() == [7 + i]
+            if dtype is not None:
+                assert meta["_fresh"] == {1, 2}
+    pts[2][1].add_(1.0)                  # the user's: nobody else's rows change
+    assert torch.equal(got[0][0][2][1], rows[order[0]][1])
+    del got, pts, meta, wire, rows, parts, blocks
+    gc.collect()
+    assert a.stats()["arena_used_bytes"] == 0 and a.stats()["arena_pieces_out"] == 0
+    # Rows outside the arena (a step too small for it) travel by value beside the lent ones.
+    inside = a.alloc((2, 128), torch.float32).normal_().reshape(2, 1, 128)
+    wire = batch_to_wire([({"req_id": str(j)}, {"g1-2": t, "g1-2.pos": torch.tensor([3])})
+                          for j, t in enumerate([inside, torch.ones(2, 1, 128)])], None, None, a)
+    assert sum(p is None for p in wire["lent"]["g1-2"]["parts"]) == 1
+    got = parse_batch(wire["blob"], "float32", front.views(wire["lent"]))
+    assert torch.equal(got[0][0][1][1], inside[0]) and torch.equal(got[1][0][2][1], torch.ones(1, 128))
+    del got, wire, inside
+    gc.collect()
+    assert a.stats()["arena_used_bytes"] == 0 and a.stats()["arena_pieces_out"] == 0
+    # Nothing in the arena: packed as a copy, as before.
+    wire = batch_to_wire([({"req_id": str(j)}, {"g1-2": torch.full((2, 1, 128), float(j)), "g1-2.pos": torch.tensor([3])})
+                          for j in range(2)], None, None, a)
+    assert not wire.get("lent")
+    got = parse_batch(wire["blob"], "float32")
+    assert torch.equal(got[1][0][2][1], torch.ones(1, 128))
+
 
 def test_frontend_maps_only_an_arena_it_can_verify():
     from vllm_hook.delivery import arena as A
@@ -260,6 +302,37 @@ def test_frontend_maps_only_an_arena_it_can_verify():
     import gc
     gc.collect()
     assert front.tokens() == []
+
+
+def test_frontend_maps_an_allocated_arena_in_the_background(monkeypatch):
+    """A device worker's arena has all its pages from the start: the frontend maps them into
+    its page tables on the background thread when it adopts the arena (`hostmem.populate_soon`),
+    so reading lent rows later takes no page fault; a CPU worker's arena is left to fault (its
+    pages are allocated as steps first use them)."""
+    import mmap
+    import os
+    import resource
+
+    from vllm_hook.delivery import arena as A
+    from vllm_hook.delivery import hostmem
+
+    populated = []
+    monkeypatch.setattr(A, "populate_soon", populated.append)
+    a = A.Arena(1 << 20, torch.device("cpu"))
+    A.FrontendArenas().adopt(a.offer())
+    assert not a.offer()["allocated"] and populated == []
+    A.FrontendArenas().adopt({**a.offer(), "allocated": True})
+    assert len(populated) == 1 and len(populated[0]) == a.size
+
+    fd = os.memfd_create("vh_test")
+    os.posix_fallocate(fd, 0, 16 << 20)
+    m = mmap.mmap(fd, 16 << 20, flags=mmap.MAP_SHARED)
+    os.close(fd)
+    hostmem._populate(m)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert int(np.frombuffer(m, dtype=np.uint8)[::4096].sum()) == 0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 64, faults           # unpopulated: 4096 pages, 256 faults or more
 
 
 def test_collector_falls_back_when_the_arena_is_full():

@@ -40,7 +40,7 @@ import weakref
 import numpy as np
 import torch
 
-from .hostmem import Chunked
+from .hostmem import Chunked, populate_soon
 
 log = logging.getLogger("vllm_hook")
 
@@ -74,6 +74,9 @@ class Arena:
         self._map[:TOKEN_BYTES] = self.token
         self.flags = np.frombuffer(self._map, dtype=np.uint8, count=SLOTS, offset=TOKEN_BYTES)
         self._ptr = np.frombuffer(self._map, dtype=np.uint8, count=1).__array_interface__["data"][0]
+        # On a device every page exists from the start (fallocate): the frontend may map them
+        # all in the background (`FrontendArenas.adopt`); on the CPU that would allocate them.
+        self.allocated = device.type == "cuda"
         registered = False
         if device.type == "cuda":
             # Page-locked once, so every device copy into it is asynchronous (a copy into
@@ -248,7 +251,7 @@ class Arena:
     def offer(self) -> dict:
         """What a frontend needs to map the arena (and to know it is on the same host)."""
         return {"pid": os.getpid(), "fd": self.fd, "token": self.token.hex(), "size": self.size,
-                "boot_id": _boot_id()}
+                "boot_id": _boot_id(), "allocated": self.allocated}
 
     def stats(self) -> dict[str, int]:
         self.reclaim()
@@ -359,6 +362,10 @@ class FrontendArenas:
             if m[:TOKEN_BYTES].hex() != token:        # another process's file: pid or fd reused
                 m.close()
                 raise OSError("token mismatch")
+            if offer.get("allocated"):
+                # Its pages mapped into this process in the background: a lent piece read for
+                # the first time took a page fault per 4 KiB in the results' conversion.
+                populate_soon(m)
         except (OSError, ValueError, KeyError) as e:
             log.info("vllm_hook: cannot map a worker's result arena (%s); its results travel by copy", e)
             self._refused.add(token)

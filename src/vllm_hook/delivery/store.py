@@ -10,6 +10,7 @@ RPC reply, or as a file in shared memory (`spill`).
 from __future__ import annotations
 
 import json
+import math
 import warnings
 import weakref
 from typing import Any
@@ -195,6 +196,15 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
         rest = (first.shape[:ax], first.shape[ax + 1:])
         if len(items) > 1 and all(t.dim() > ax and t.dtype == first.dtype and (t.shape[:ax], t.shape[ax + 1:]) == rest
                                   and t.numel() * t.element_size() < PACK_BELOW for _, t in items):
+            lent = _lend_rows(arena, items) if arena is not None and ax == 1 else None
+            if lent is not None:
+                refs[name], order, t = lent
+                for at, j in enumerate(order):
+                    packed[j][name] = [at, 1]
+                for k, part in enumerate(refs[name].get("parts", ())):
+                    if part is None:             # not in the arena: by value, named "#k"
+                        tensors[f"{name}#{k}"] = t.parts[k]
+                continue
             tensors[name] = torch.cat([as_tensor(t) for _, t in items], dim=ax)
             at = 0
             for j, t in items:
@@ -229,11 +239,48 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
         raise
 
 
-def _converted(t: Any, dtype: str | None, pairs) -> torch.Tensor:
-    """`t` (a tensor or `Chunked`) copied into fresh host memory, as float32 when `dtype` is
-    "float32"; `pairs(out)`: the copies that fill `out`. From 1 MiB on torch's threads."""
+MAX_ROW_RUNS = 16
+
+
+def _lend_rows(arena: Any, items: list[tuple[int, Any]]) -> tuple[dict, list[int], Any] | None:
+    """Requests' one-row groups ([points, 1, ...]: a last-token capture) lent as one reference
+    where they lie in `arena` back to back (a prefill step's block holds every request's rows
+    in turn): a strided view [points, requests, ...] per run of neighbours, joined as a
+    `Chunked` when there are several, rows outside the arena among them by value. Returns
+    (reference, the requests in row order, what was lent), or None (the caller packs a copy):
+    this skips the worker's concatenation and write and the frontend's read."""
+    ts = [t for _, t in items]
+    if not all(isinstance(t, torch.Tensor) and t.shape[1] == 1 and t.is_contiguous() for t in ts):
+        return None
+    size = ts[0].numel() * ts[0].element_size()
+    ptrs = [t.data_ptr() for t in ts]
+    bases = [t.untyped_storage().data_ptr() for t in ts]     # neighbouring blocks: two runs
+    order = sorted(range(len(ts)), key=ptrs.__getitem__)
+    runs, first = [], 0
+    for k in range(1, len(order) + 1):
+        if k == len(order) or ptrs[order[k]] - ptrs[order[k - 1]] != size or bases[order[k]] != bases[order[k - 1]]:
+            runs.append(order[first:k])
+            first = k
+    if len(runs) > MAX_ROW_RUNS:
+        return None
+    t0 = ts[0]
+    width = math.prod(t0.shape[2:])
+    views = []
+    for run in runs:
+        v = ts[run[0]].as_strided((t0.shape[0], len(run), *t0.shape[2:]),
+                                  (width, t0.shape[0] * width, *t0.stride()[2:]))
+        views.append(v if len(run) == 1 or arena.holds(v) else v.contiguous())   # by value: contiguous
+    lendable = Chunked(views) if len(views) > 1 else views[0]
+    ref = arena.lend(lendable)
+    return None if ref is None else (ref, [items[i][0] for i in order], lendable)
+
+
+def _converted(t: Any, dtype: str | None, pairs, copies: list) -> torch.Tensor:
+    """Fresh host memory for `t` (a tensor or `Chunked`), float32 when `dtype` is "float32";
+    `pairs(out)`, the copies that fill it, join `copies`: a payload's copies run together at
+    the end of its parse (one `copy_many`: torch's threads woken once, not per request)."""
     out = host_empty(tuple(t.shape), torch.float32 if dtype == "float32" else t.dtype)
-    copy_many(pairs(out), parallel_from=CHUNK_BYTES)
+    copies += pairs(out)
     return out
 
 
@@ -298,16 +345,22 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
                 tensors[int(j) if j else 0][name] = t.clone() if name.endswith(".pos") else t
             else:
                 shared[name] = t
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []      # run at the end, together
     chunked_fresh: dict[int, set[str]] = {}
+    lent_shared: set[str] = set()              # packed rows lent as one range (`_lend_rows`)
     for full, t in lent.items():
         j, _, name = full.rpartition("/")
         if isinstance(t, list):
             # Rows of several chunks (a prompt block and decode runs), lent part by part:
             # joined here, converted to `dtype` on the way, one copy per part.
             t = Chunked([by_value[f"{full}#{k}"] if p is None else p for k, p in enumerate(t)])
-            t = _converted(t, dtype, t.pairs)
+            t = _converted(t, dtype, t.pairs, copies)
             if dtype is not None:
-                chunked_fresh.setdefault(int(j), set()).add(name)
+                chunked_fresh.setdefault(int(j) if j else -1, set()).add(name)
+        if not j:
+            shared[name] = t
+            lent_shared.add(name)
+            continue
         tensors[int(j)][name] = t
     fresh_rows = set()
     for name, t in shared.items():
@@ -315,11 +368,11 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
         if _group_points(name) is None:
             shared[name] = t.clone()
         elif dtype is not None:
-            if dtype == "float32" or not owned:
+            if name in lent_shared and (dtype == "model" or name in chunked_fresh.get(-1, ())):
+                pass             # lent (writable, the user's) or already joined and converted
+            elif dtype == "float32" or not owned:
                 # converted or copied: split over threads when large (`copy_many`)
-                out = host_empty(tuple(t.shape), torch.float32 if dtype == "float32" else t.dtype)
-                copy_many([(out, t)])
-                shared[name] = out
+                shared[name] = _converted(t, dtype, lambda out, t=t: [(out, t)], copies)
             fresh_rows.add(name)
     metas = [{**common, **m} for m in metas] if common else metas
     # Each packed tensor split into its requests' pieces in one call (per point of a group):
@@ -330,6 +383,8 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
             users.setdefault(name, []).append(j)
     pieces: list[dict[str, Any]] = [{} for _ in metas]
     for name, js in users.items():
+        if name in lent_shared:          # the requests' rows in memory order (`_lend_rows`)
+            js.sort(key=lambda j: metas[j]["_packed"][name][0])
         t, sizes = shared[name], [metas[j]["_packed"][name][1] for j in js]
         group = _group_points(name)
         if group is None:
@@ -340,7 +395,7 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
         for k, j in enumerate(js):
             pieces[j][name] = [pp[k] for pp in per_point]
     out = []
-    owned_rows = {int(full.rpartition("/")[0]) for full in lent}
+    owned_rows = {int(j) for j, _, _ in (full.rpartition("/") for full in lent) if j}
     for j, (m, ts, got) in enumerate(zip(metas, tensors, pieces)):
         m.pop("_packed", None)
         if j in owned_rows and all(t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
@@ -374,7 +429,7 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
                 elif dtype == "float32" or (dtype == "model" and not owned and f"{j}/{name}" not in lent):
                     # The request's rows of every point of the group in one copy (the build's
                     # copy per point was 3x slower for a mixed batch's prompts, run 71).
-                    t = _converted(t, dtype, lambda out, t=t: [(out, t)])
+                    t = _converted(t, dtype, lambda out, t=t: [(out, t)], copies)
                     fresh.update(group)
                 for g, point in enumerate(group):
                     pts[point] = (pos, t[g])
@@ -385,4 +440,5 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
         if fresh:
             m["_fresh"] = fresh
         out.append((pts, m))
+    copy_many(copies, parallel_from=CHUNK_BYTES)
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,17 @@ def checked(replies: Sequence[Any]) -> Sequence[Any]:
         if isinstance(reply, dict) and "error" in reply and len(reply) == 1:
             raise RuntimeError(reply["error"])
     return replies
+
+
+def count_rpc(st: FrontendState, replies: Sequence[Any], sent: float) -> None:
+    """Split a fetch RPC's time (`sent`: time.monotonic() before it) into the way to the
+    worker (the engine core picks the call up between steps) and the way back, from rank 0's
+    stamps of when its fetch ran. Skipped when they cannot be of this host's clock."""
+    got = time.monotonic()
+    ran = replies[0].get("ran") if replies and isinstance(replies[0], dict) else None
+    if isinstance(ran, (list, tuple)) and len(ran) == 2 and sent <= ran[0] <= ran[1] <= got:
+        st.timing["rpc_to_worker_s"] = st.timing.get("rpc_to_worker_s", 0.0) + ran[0] - sent
+        st.timing["rpc_back_s"] = st.timing.get("rpc_back_s", 0.0) + got - ran[1]
 
 
 def merge_ranks(replies: Sequence[Any]) -> dict[str, list[dict]]:
@@ -145,9 +157,11 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
     # more per request, and a full collection it triggers walks the whole heap (every output
     # of the batch): 80 ms in one fetch of 256 requests (run 61).
     with no_gc():
-        t = time.perf_counter()
+        t, sent = time.perf_counter(), time.monotonic()
         try:
-            fetched = merge_ranks(rpc(RPC, args=fetch_args(st, keys)))
+            replies = rpc(RPC, args=fetch_args(st, keys))
+            count_rpc(st, replies, sent)
+            fetched = merge_ranks(replies)
         except Exception as e:   # generation succeeded: every output keeps its tokens
             log.exception("vllm_hook: fetching results from the workers failed")
             fetched, failure = {}, f"results could not be fetched from the workers: {e!r}"
@@ -159,8 +173,15 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
             failure = None
         st.timing["fetch_rpc_s"] += time.perf_counter() - t
         st.timing["fetches"] += 1
+        faults = _minor_faults()
         _attach_all(st, todo, fetched, failure)
+        st.timing["read_build_page_faults"] = st.timing.get("read_build_page_faults", 0) + _minor_faults() - faults
     delivered()
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far: fresh or unmapped memory in a delivery."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def delivered() -> None:
@@ -225,9 +246,11 @@ class FetchBatcher:
         for _ in range(self.JOIN_TURNS):
             await asyncio.sleep(0)
         self._open = None
-        t = time.perf_counter()
+        t, sent = time.perf_counter(), time.monotonic()
         try:
-            merged = merge_ranks(await self.rpc(RPC, args=fetch_args(self.st, b.keys)))
+            replies = await self.rpc(RPC, args=fetch_args(self.st, b.keys))
+            count_rpc(self.st, replies, sent)
+            merged = merge_ranks(replies)
         except Exception as e:
             try:             # the workers need not keep them until their TTL
                 await self.rpc(RPC, args=("discard", b.keys))

@@ -40,7 +40,8 @@ class FrontendState:
     resolved: ResolvedCache = field(default_factory=ResolvedCache)   # one resolve per distinct spec
     # Seconds spent delivering results, summed: where a large capture's time goes.
     timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("admitted", "admit_s", "fetches", "fetch_rpc_s", "read_s", "build_s"), 0.0))
+        ("admitted", "admit_s", "fetches", "fetch_rpc_s", "rpc_to_worker_s", "rpc_back_s", "read_s",
+         "build_s", "read_build_page_faults"), 0.0))
 
     def add_pending(self, request_id: str, res: Resolved) -> None:
         now = time.monotonic()

@@ -651,7 +651,7 @@ class HookRuntime:
             return self._fetch(keys, spill, arenas)
 
     def _fetch(self, keys: list[str], spill: dict | None, arenas: list[str] = ()) -> dict[str, Any]:
-        t0 = time.perf_counter()
+        t0, t0_mono = time.perf_counter(), time.monotonic()
         entries: dict[str, list[dict]] = {k: [] for k in keys}
         parts = []
         common = {"rank": self.rank, "pp_rank": self.pp_rank,
@@ -675,7 +675,9 @@ class HookRuntime:
         self.timing["write_s"] += time.perf_counter() - t1
         self.timing["fetches"] += 1
         self.timing["fetch_s"] += time.perf_counter() - t0
-        reply = {"batch": payload, "entries": entries}
+        # When it ran (the host's monotonic clock): the frontend splits its RPC's time into
+        # the way here (waiting, e.g., for a step in flight) and the way back.
+        reply = {"batch": payload, "entries": entries, "ran": (t0_mono, time.monotonic())}
         if arena is not None and not lends:
             reply["arena"] = arena.offer()
         return reply
