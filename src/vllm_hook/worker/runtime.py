@@ -272,6 +272,8 @@ class HookRuntime:
         if not shared and wire.get("steer"):       # its ops are read only when not shared
             wire = {**wire, "steer": unpack_steer(wire["steer"])}
         cd = wire.get("cd")
+        if not wire.get("cap"):
+            cd = ""                      # no captures (steering only): one entry for all
         known = self._captures.get(cd) if isinstance(cd, str) else None
         check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points, steer_ops=not shared,
                    caps=known is None)
