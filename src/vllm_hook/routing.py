@@ -148,6 +148,9 @@ class StepRouting:
     pool_used: dict[int, int] = field(default_factory=dict)
     overflow: list[Any] = field(default_factory=list)
     steered_upto: int = 0     # 1 + the last row given a non-identity op
+    # The entries of `cap_idx` written, as (rows, columns) index pairs: the next use of the
+    # same array resets just these to trash rows (`worker.runtime._Staging.clear_captures`).
+    cap_written: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 def route_step(
@@ -157,7 +160,8 @@ def route_step(
     pool_rows: int,
     zero_upto: int = 0,
 ) -> StepRouting:
-    """Fill `op_idx` [T, op columns] and `cap_idx` [T, points] (pre-filled with trash rows) for
+    """Fill `op_idx` [T, op columns] and `cap_idx` [T, points] (trash rows but where noted in
+    `cap_written`: the caller resets those after the step) for
     the requests in `entries`; return where each captured row lands in the pool. Rows of
     `op_idx` from `zero_upto` on must be zero; those below are zeroed where not written whole.
 
@@ -271,13 +275,15 @@ def route_step(
             # point g's row i lands at used + g*n + i (point-major, see Segment)
             block = np.arange(len(points), dtype=np.int64)[None, :] * n + _offsets(n)[:, None]
             cap_idx[sel_rows[:, None], points[None, :]] = used + block
+            out.cap_written.append((sel_rows[:, None], points[None, :]))
             out.segments.append(Segment(owner, point_ids, used, first + idx, last_only, pool,
                                         sel_rows))
             out.pool_used[pool] = used + total
     if cap_rows:
         counts = [len(c) for c in cap_cols]
-        cap_idx[np.repeat(np.array(cap_rows, dtype=np.int64), counts), np.concatenate(cap_cols)] = \
-            np.concatenate(cap_vals)
+        at = (np.repeat(np.array(cap_rows, dtype=np.int64), counts), np.concatenate(cap_cols))
+        cap_idx[at] = np.concatenate(cap_vals)
+        out.cap_written.append(at)
     if one_rows:
         counts = [len(c) for c in one_cols]
         op_idx[np.repeat(np.array(one_rows, dtype=np.int64), counts), np.concatenate(one_cols)] = \

@@ -162,6 +162,9 @@ def test_routing_matches_a_row_by_row_reference_on_random_batches():
         assert [(s.owner, s.points, s.pool_start, s.positions.tolist()) for s in got.segments] == \
             [(o, ids, u, picked) for o, ids, u, picked in ref_segs], trial
         assert got.overflow == list(dict.fromkeys(ref_over)), trial
+        for rows, cs in got.cap_written:     # the entries it reports are all it wrote
+            cap[rows, cs] = 999
+        assert (cap == 999).all(), trial
         steered = [i for i in range(T) if op[i].any()]
         assert got.steered_upto >= (steered[-1] + 1 if steered else 0)
         # Stale rows (a staging array's last use) below zero_upto: zeroed unless written whole
@@ -170,6 +173,39 @@ def test_routing_matches_a_row_by_row_reference_on_random_batches():
         stale[z:] = 0
         route_step(entries, stale, np.full((T, n_points), 999, np.int64), pool_rows, zero_upto=z)
         assert np.array_equal(stale, ref_op), trial
+
+
+def test_staging_resets_only_the_capture_entries_its_last_step_wrote():
+    """Consecutive steps through one capture array (the CPU's; a GPU's two staging sets each
+    keep their own list): resetting the entries the last step wrote leaves the array as a
+    fresh trash fill would, each row's own trash row."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_hook.worker.runtime import _Staging
+
+    rng = np.random.default_rng(1)
+    T, n_points = 40, 6
+    trash = 1000 + np.arange(T)
+    stg = _Staging(SimpleNamespace(device=torch.device("cpu"), op_idx=torch.zeros(T, 4, dtype=torch.int64),
+                                   cap_idx=torch.zeros(T, n_points, dtype=torch.int64)))
+    for step in range(30):
+        entries, start = [], 0
+        for r in range(rng.integers(0, 5)):
+            count = int(rng.integers(1, 8))
+            sel = [("all", ()), ("last_prompt", ()), ("pos", (1, 4))][int(rng.integers(0, 3))]
+            capture = tuple(CaptureRoute(point=int(pt), sels=(sel,))
+                            for pt in rng.choice(n_points, rng.integers(1, 3), replace=False))
+            entries.append((f"r{r}", RequestRoutes(5, capture=capture), Rows(start, count, int(rng.integers(0, 6)))))
+            start += count
+        _, cap = stg.begin()
+        stg.clear_captures(cap, trash, whole=step == 17)
+        got = route_step(entries, np.zeros((T, 4), np.int64), cap[:start + 1], 1000)
+        stg.wrote(got.cap_written)
+        ref = np.repeat(trash[:, None], n_points, axis=1)
+        route_step(entries, np.zeros((T, 4), np.int64), ref[:start + 1], 1000)
+        assert np.array_equal(cap, ref), step
 
 
 def test_steady_from():
