@@ -201,9 +201,7 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
                 refs[name], order, t = lent
                 for at, j in enumerate(order):
                     packed[j][name] = [at, 1]
-                for k, part in enumerate(refs[name].get("parts", ())):
-                    if part is None:             # not in the arena: by value, named "#k"
-                        tensors[f"{name}#{k}"] = t.parts[k]
+                tensors.update(_by_value(name, refs[name], t))
                 continue
             tensors[name] = torch.cat([as_tensor(t) for _, t in items], dim=ax)
             at = 0
@@ -218,9 +216,7 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
                     tensors[f"{j}/{name}"] = t
                     continue
                 refs[f"{j}/{name}"] = ref
-                for k, part in enumerate(ref.get("parts", ())):
-                    if part is None:             # not in the arena: by value, named "#k"
-                        tensors[f"{j}/{name}#{k}"] = t.parts[k]
+                tensors.update(_by_value(f"{j}/{name}", ref, t))
     body = {"batch": [{**m, "_packed": pk} for (m, _), pk in zip(parts, packed)]}
     if common:
         body["common"] = common
@@ -237,6 +233,12 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
         if refs:
             arena.unlend(refs.values())      # this reply is not sent: its pieces stay here
         raise
+
+
+def _by_value(name: str, ref: dict, t: Any) -> dict[str, torch.Tensor]:
+    """The parts of a lent `Chunked` that are not in the arena, sent beside the reference
+    as "{name}#{k}" (its k-th part)."""
+    return {f"{name}#{k}": t.parts[k] for k, part in enumerate(ref.get("parts", ())) if part is None}
 
 
 MAX_ROW_RUNS = 16
