@@ -32,11 +32,12 @@ from engine_worker import prompts  # noqa: E402
 from gpu_serve_check import Server, free_port, launch_command  # noqa: E402
 from pool import median_ci  # noqa: E402
 from run import Record, bench_parser, run_meta, workloads  # noqa: E402
-from throughput import verdict  # noqa: E402
+from throughput import STAGES, verdict  # noqa: E402
 from vllm_hook.client import AsyncClient  # noqa: E402
 
 KEY = "bench-key"
 VECTOR = "bench_a"
+SERVED_STAGES = {**STAGES, "frontend.encode_s": "encode (safetensors; inline or a handle)"}
 
 
 def server_args(args) -> list[str]:
@@ -88,10 +89,20 @@ class Driver:
         return time.perf_counter() - t
 
 
+async def counters(driver: Driver) -> dict:
+    """The plugin server's counters (`GET /v1/hook/health`): its frontend's and rank 0's."""
+    h = (await driver.http.get("/v1/hook/health")).json()
+    w = (h.get("workers") or [{}])[0]
+    out = {f"worker.{k}": v for k, v in (w.get("timing") or {}).items()}
+    out.update({f"frontend.{k}": v for k, v in (h.get("frontend") or {}).items()})
+    return out
+
+
 async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
     specs = [spec_of(i) for i in range(n)]
     plain = [None] * n
     rows = []
+    before = await counters(drivers["plugin"])
     for rep in range(reps):
         ps = prompts(n, plen, vocab, seed=1000 * rep + n)
         tn = await drivers["native"].batch(ps, gen, plain)
@@ -100,7 +111,10 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
         for key, sp in pair if rep % 2 == 0 else pair[::-1]:
             row[key] = await drivers["plugin"].batch(ps, gen, sp)
         rows.append(row)
-    res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows}
+    after = await counters(drivers["plugin"])
+    res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows,
+           "host_us_per_request": {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / (n * reps)
+                                   for k, label in SERVED_STAGES.items()}}
     for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s"),
                           ("unhooked_vs_native", "unhooked_s", "native_s")):
         res[est] = median_ci([r[num] / r[den] for r in rows])
@@ -124,6 +138,13 @@ def report(result: dict) -> str:
         lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
                      f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {r['unhooked_vs_native'][0]:.3f} | "
                      f"{r['requests_per_s_native']:.0f} | {verdict(r)} |")
+    lines += ["", "Plugin server's host time per hooked request by stage (µs, from its counters):", "",
+              "| workload | requests | gen | " + " | ".join(SERVED_STAGES.values()) + " |",
+              "|---|---|---|" + "---|" * len(SERVED_STAGES)]
+    for r in result.get("cases", []):
+        if "host_us_per_request" in r:
+            lines.append(f"| {r['workload']} | {r['n']} | {r['gen']} | "
+                         + " | ".join(f"{r['host_us_per_request'][s]:.0f}" for s in SERVED_STAGES.values()) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -48,6 +48,10 @@ class Results:
     heads: dict[str, dict[int, list[int]]] = field(default_factory=dict)
     # hook_results[i]: the ctx.saved of the spec's hook i (CPU tensors, lists, dicts, numbers).
     hook_results: list[dict] = field(default_factory=list)
+    # Served: the activations are kept in the dtype the model captured them in and widened to
+    # this one ("float32") where they are loaded (`from_bytes`, `load`): exact, and half the
+    # bytes to convert, encode and send.
+    widen_to: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -103,6 +107,8 @@ class Results:
             "errors": json.dumps(self.errors),
             "heads": json.dumps(self.heads),
         }
+        if self.widen_to:
+            meta["widen_to"] = self.widen_to
         if self.hook_results:
             hook_tensors, structure = state.encode(self.hook_results, "hook")
             tensors.update(hook_tensors)
@@ -145,10 +151,13 @@ class Results:
                      for s, d in json.loads(meta.get("heads", "{}")).items()}
         if meta.get("hook_results"):
             out.hook_results = state.decode(json.loads(meta["hook_results"]), tensors)
+        widen = torch.float32 if meta.get("widen_to") == "float32" else None
         for name, t in tensors.items():
             if name.endswith(".positions") or name.startswith("hook."):
                 continue
             site, layer = name.rsplit(".", 1)
+            if widen is not None and t.dtype != widen and t.is_floating_point():
+                t = t.to(widen)
             out.activations.setdefault(site, {})[int(layer)] = t
             out.positions.setdefault(site, {})[int(layer)] = tensors[f"{name}.positions"]
         return out

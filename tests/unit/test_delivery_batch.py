@@ -517,3 +517,38 @@ def test_host_memory_for_the_next_batch_is_readied_in_the_background(monkeypatch
     rec.refill_soon()
     hostmem._filler().submit(lambda: None).result()
     assert rec.idle_bytes <= 32 << 20
+
+
+def test_served_results_travel_in_the_model_dtype_and_load_as_float32(tmp_path):
+    """A served float32 request's rows stay bfloat16 on the server and on the wire (half the
+    bytes to convert, encode and send); `Results.from_bytes` widens them: bit for bit the
+    results an offline float32 request gets."""
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend.delivery import Opened, results_for
+    from vllm_hook.results import Results
+
+    reqs = [_request(j, big=j == 1) for j in range(3)]
+    payload = batch_to_wire([(meta, s._tensors(tensors)) for s, meta, tensors, _, _ in reqs], None, {"rank": 0})
+    st = SimpleNamespace(info=SimpleNamespace(dtype="bfloat16", name="m", head_dim=4), points=TABLE,
+                         timing={"read_s": 0.0, "build_s": 0.0})
+    for j, (_, meta, _, items, P) in enumerate(reqs):
+        res = SimpleNamespace(dtype="float32", items=items, fetches=True, save_dir=None, hooks=1)
+        out = SimpleNamespace(request_id=meta["req_id"], prompt_token_ids=list(range(P)),
+                              outputs=[SimpleNamespace(index=0, token_ids=[1, 2, 3, 4])])
+        entries = [{"payload": payload, "j": j, "req_id": meta["req_id"]}]
+        offline = results_for(st, out, entries, res, Opened())
+        served = results_for(st, out, entries, res, Opened(), wire=True)
+        assert served.widen_to == "float32" and offline.widen_to is None
+        assert all(t.dtype == torch.bfloat16 for t in served.activations["resid_post"].values())
+        sent, full = served.to_bytes(), offline.to_bytes()
+        act_bytes = sum(t.numel() * 4 for d in offline.activations.values() for t in d.values())
+        assert len(full) - len(sent) >= act_bytes // 2 - 4096
+        loaded = Results.from_bytes(sent)
+        assert all(t.dtype == torch.float32 for d in loaded.activations.values() for t in d.values())
+        _same(loaded, offline)
+        served.save(tmp_path / "r.safetensors")          # a file the server saves loads the same
+        _same(Results.load(tmp_path / "r.safetensors"), offline)
+        # A float32 model's results are float32 already: nothing to widen.
+        st32 = SimpleNamespace(**{**vars(st), "info": SimpleNamespace(dtype="float32", name="m", head_dim=4)})
+        assert results_for(st32, out, entries, res, Opened(), wire=True).widen_to is None

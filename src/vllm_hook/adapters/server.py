@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import SimpleNamespace
@@ -37,6 +38,8 @@ from .patching import when_imported, wrap_method
 log = logging.getLogger("vllm_hook")
 SERVED_ATTR = "_vllm_hook_served"
 BATCHER_ATTR = "_vllm_hook_fetcher"
+
+ENCODE_ON_LOOP_BELOW = 256 << 10    # bytes of activations
 
 
 @dataclass
@@ -86,7 +89,7 @@ def _batcher(engine: Any, st: FrontendState) -> FetchBatcher:
     return b
 
 
-async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Results] | None:
+async def _fetch(engine: Any, request_id: str, view: Any, wire: bool) -> Results | list[Results] | None:
     st = maybe_state(engine.input_processor)
     item = st.pending.get(request_id) if st is not None else None
     if item is None:
@@ -98,7 +101,7 @@ async def _fetch(engine: Any, request_id: str, view: Any) -> Results | list[Resu
         # follows still finds the request and discards its results on the workers.
         st.pop_pending(request_id)
         with no_gc():
-            got = results_for(st, view, entries, res, opened)
+            got = results_for(st, view, entries, res, opened, wire=wire)
         delivered()
         return got
     except Exception as e:  # the generation succeeded: report, never fail the HTTP request
@@ -127,7 +130,8 @@ async def _delivering(engine, agen, request_id: str, delta: bool, sink, slot):
                 st = maybe_state(engine.input_processor)
                 if st is not None and st.persistent_hooks:
                     st.note_finished([request_id])
-                got = await _fetch(engine, request_id, tokens.view(out))
+                # For an HTTP response (a sink) the rows travel in the model's dtype.
+                got = await _fetch(engine, request_id, tokens.view(out), wire=sink is not None)
                 if got is not None:
                     setattr(out, ATTR, got)
                     if sink is not None:
@@ -211,8 +215,16 @@ def _error(serving: Any, err: SpecError):
 
 async def _encode(serving: Any, sink: encode.Sink) -> dict:
     sv = served_of(serving.engine_client)
-    # Serialising large captures is CPU work: keep it off the event loop.
-    return await asyncio.to_thread(encode.payload, sink, sv.store, sv.frontend.cfg)
+    # Serialising large captures is CPU work: off the event loop. Small ones stay on it: the hop
+    # to a thread and back waits for the GIL (up to its 5 ms switch interval) while the loop
+    # runs, more than the encoding itself.
+    t0 = time.perf_counter()
+    if encode.nbytes(sink) < ENCODE_ON_LOOP_BELOW:
+        body = encode.payload(sink, sv.store, sv.frontend.cfg)
+    else:
+        body = await asyncio.to_thread(encode.payload, sink, sv.store, sv.frontend.cfg)
+    sv.frontend.timing["encode_s"] += time.perf_counter() - t0
+    return body
 
 
 async def _gone(raw_request: Any) -> bool:

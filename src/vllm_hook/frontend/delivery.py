@@ -100,13 +100,18 @@ def child_index(req_id: str, n: int) -> int:
 
 
 def results_for(st: FrontendState, output: Any, entries: list[dict], res,
-                opened: Opened | None = None) -> Results | list[Results]:
+                opened: Opened | None = None, *, wire: bool = False) -> Results | list[Results]:
+    """The results of one finished request. `wire`: they are for a served response, where a
+    float32 request's rows stay in the model's dtype and are widened where the client loads
+    them (`Results.widen_to`)."""
     with one_thread():           # small tensors: see hostmem.one_thread
-        return _results_for(st, output, entries, res, opened)
+        return _results_for(st, output, entries, res, opened, wire)
 
 
 def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
-                 opened: Opened | None) -> Results | list[Results]:
+                 opened: Opened | None, wire: bool) -> Results | list[Results]:
+    widen = wire and res.dtype == "float32" and st.info.dtype != "float32"
+    dtype = "model" if widen else res.dtype
     outs = list(getattr(output, "outputs", []) or [])
     n = max(len(outs), 1)
     by_index: dict[int, list] = {}
@@ -116,7 +121,7 @@ def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
     for e in entries:
         i = child_index(e["req_id"], n)
         try:
-            by_index.setdefault(i, []).append(opened.part(e, res.dtype))
+            by_index.setdefault(i, []).append(opened.part(e, dtype))
         except OSError as err:          # the spilled file vanished (e.g. deleted by hand)
             lost.setdefault(i, []).append(f"the captured results could not be read: {err}")
     t1 = time.perf_counter()
@@ -130,7 +135,9 @@ def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
                   prompt_token_ids=list(output.prompt_token_ids or []),
                   output_token_ids=list(comp.token_ids) if comp is not None else [],
                   index=idx, model=st.info.name, extra_errors=errs, head_size=st.info.head_dim,
-                  dtype=res.dtype, hooks=res.hooks)
+                  dtype=dtype, hooks=res.hooks)
+        if widen:
+            r.widen_to = "float32"
         if res.save_dir:
             suffix = f"_{idx}" if n > 1 else ""
             r.save(Path(res.save_dir) / f"{output.request_id}{suffix}.safetensors")

@@ -38,10 +38,11 @@ class FrontendState:
     # final on the workers, which learn of a finish only at their next step.
     finished: deque = field(default_factory=lambda: deque(maxlen=100_000))
     resolved: ResolvedCache = field(default_factory=ResolvedCache)   # one resolve per distinct spec
-    # Seconds spent delivering results, summed: where a large capture's time goes.
+    # Seconds spent delivering results, summed: where a large capture's time goes (encode_s:
+    # served responses' results into safetensors, inline or kept for a handle).
     timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("admitted", "admit_s", "fetches", "fetch_rpc_s", "rpc_to_worker_s", "rpc_back_s", "read_s",
-         "build_s", "read_build_page_faults"), 0.0))
+         "build_s", "read_build_page_faults", "encode_s"), 0.0))
 
     def add_pending(self, request_id: str, res: Resolved) -> None:
         now = time.monotonic()

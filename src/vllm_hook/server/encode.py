@@ -51,6 +51,13 @@ def collecting() -> Iterator[Sink]:
         _CURRENT.reset(token)
 
 
+def nbytes(sink: Sink) -> int:
+    """The bytes of the activations a sink holds (what its encoding copies)."""
+    return sum(t.numel() * t.element_size() for got in sink.slots if got is not None
+               for r in (got if isinstance(got, list) else [got])
+               for per_layer in r.activations.values() for t in per_layer.values())
+
+
 def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig) -> dict[str, Any]:
     data = r.to_bytes()
     entry = {"index": index, "format": FORMAT, "bytes": len(data), "data": None, "handle": None,
