@@ -5,13 +5,17 @@
 No engine: the frontend's admission (parse and resolve, the resolution cache on and off), the
 worker's admission and finish (`HookRuntime.on_events`) and the delivery of a small capture
 (the worker's fetch into safetensors, the frontend's `Results` build), for a batch of
-`--requests` requests on a 28-layer, 1536-wide model. Prints microseconds per request.
+`--requests` requests on a 28-layer, 1536-wide model; with `--served`, also what a served
+response adds: the server's encoding of each request's results (`server.encode`) and the
+client's `Results.from_bytes`, for results built in float32 (as offline) and in the model's
+dtype, widened where loaded (as served). Prints microseconds per request.
 A smoke test runs it in CI; the figures of record are the GPU's (benchmarks/throughput.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import shutil
 import sys
@@ -34,7 +38,9 @@ from vllm_hook.frontend.delivery import Opened, merge_ranks, no_gc  # noqa: E402
 from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
 from vllm_hook.model.buffers import BufferShape, HookBuffers  # noqa: E402
 from vllm_hook.model.layout import PointTable  # noqa: E402
-from vllm_hook.results import build  # noqa: E402
+from vllm_hook.results import Results, build  # noqa: E402
+from vllm_hook.server import encode  # noqa: E402
+from vllm_hook.server.store import ResultStore  # noqa: E402
 from vllm_hook.spec import ModelInfo  # noqa: E402
 from vllm_hook.worker.runtime import HookRuntime  # noqa: E402
 
@@ -94,12 +100,39 @@ def step(rt: HookRuntime, ids: list[str], rows_each: int, computed: list[int]) -
     return time.perf_counter() - t
 
 
+def served_cost(fetched, keys, items, points, gen, cfg) -> dict:
+    """µs per request of a served response's results: the server's encoding and the client's
+    decoding, for results built in float32 and in the model's dtype (widened by the client)."""
+    out, store = {}, ResultStore(1 << 40, 600.0)
+    for label, dtype, widen in (("float32", "float32", None), ("wire", "model", "float32")):
+        built, opened = [], Opened()
+        for k in keys:
+            r = build([opened.part(e, dtype) for e in fetched[k]], items, points, request_id="r", prompt_token_ids=list(range(P)),
+                      output_token_ids=gen, dtype=dtype)
+            r.widen_to = widen
+            built.append(r)
+        t = time.perf_counter()
+        entries = [encode.encode_one(r, 0, store, cfg) for r in built]
+        t_enc = time.perf_counter() - t
+        blobs = [store.pop(e["handle"]) if e["handle"] else base64.b64decode(e["data"]) for e in entries]
+        t = time.perf_counter()
+        for b in blobs:
+            Results.from_bytes(b)
+        t_dec = time.perf_counter() - t
+        out.update({f"served_encode_{label}_us": 1e6 * t_enc / len(keys),
+                    f"client_decode_{label}_us": 1e6 * t_dec / len(keys),
+                    f"served_bytes_{label}": sum(e["bytes"] for e in entries) / len(keys)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=1, help="decode steps of the whole batch after the prefill")
     ap.add_argument("--specs", nargs="+", default=list(SPECS), choices=list(SPECS))
     ap.add_argument("--arena-bytes", type=int, help="the workers' result arena (default: the plugin's; 0: none)")
+    ap.add_argument("--served", action="store_true",
+                    help="also time the served encoding and the client's decoding (float32 and model-dtype builds)")
     ap.add_argument("--out")
     args = ap.parse_args()
     n = args.requests
@@ -157,11 +190,12 @@ def main() -> None:
                 build(parts[k], items if stored else [], st.points, request_id="r",
                       prompt_token_ids=list(range(P)), output_token_ids=gen)
             t_build = (time.perf_counter() - t) / n
+            served = served_cost(fetched, keys, items if stored else [], st.points, gen, cfg) if args.served else {}
         out[name] = {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
                      "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
                      "worker_decode_routing_us": 1e6 * t_decode, "worker_finish_us": 1e6 * t_finish,
                      "worker_fetch_us": 1e6 * t_fetch, "frontend_read_us": 1e6 * t_read,
-                     "frontend_build_us": 1e6 * t_build}
+                     "frontend_build_us": 1e6 * t_build, **served}
         print(f"{name:30s} {n} requests, µs per request: " + ", ".join(f"{k} {v:.0f}" for k, v in out[name].items()
                                                                      if k != "decode_steps"),
               flush=True)

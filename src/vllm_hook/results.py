@@ -19,10 +19,9 @@ import numpy as np
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
-from safetensors.torch import save as st_save
 
 from . import __version__
-from .delivery.store import safetensors_metadata
+from .delivery.store import safetensors_metadata, st_bytes
 from .delivery.hostmem import CHUNK_BYTES, copy_many, host_empty
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
@@ -126,7 +125,7 @@ class Results:
     def to_bytes(self) -> bytes:
         """The bytes of the file `save` writes (what served mode sends to clients)."""
         tensors, meta = self._payload()
-        return st_save(tensors, metadata=meta)
+        return st_bytes(tensors, meta)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> "Results":

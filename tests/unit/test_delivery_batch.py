@@ -197,7 +197,7 @@ def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go(monke
     def boom(*args, **kwargs):
         raise OSError("no memory for the reply")
 
-    monkeypatch.setattr(store, "st_save", boom)
+    monkeypatch.setattr(store, "st_bytes", boom)
     with pytest.raises(OSError):
         batch_to_wire([({"req_id": "0"}, {"g1": rows})], None, None, a)
     assert a.stats()["arena_pieces_out"] == 0
@@ -552,3 +552,25 @@ def test_served_results_travel_in_the_model_dtype_and_load_as_float32(tmp_path):
         # A float32 model's results are float32 already: nothing to widen.
         st32 = SimpleNamespace(**{**vars(st), "info": SimpleNamespace(dtype="float32", name="m", head_dim=4)})
         assert results_for(st32, out, entries, res, Opened(), wire=True).widen_to is None
+
+
+def test_safetensors_bytes_are_those_of_safetensors_save():
+    """`st_bytes` hands the serializer the tensors' pointers: the same header and data as
+    `safetensors.torch.save` (whose metadata keys come in no fixed order), for every dtype the
+    plugin sends, empty and strided tensors."""
+    import json
+
+    from safetensors.torch import load, save
+
+    from vllm_hook.delivery.store import st_bytes
+
+    base = torch.randn(6, 8)
+    tensors = {"token_ids": torch.arange(9), "rows": torch.randn(3, 5).bfloat16(), "f16": torch.randn(2, 2).half(),
+               "empty": torch.zeros(0, 0), "pos": torch.tensor([4]), "t": base.t(), "u8": torch.arange(5, dtype=torch.uint8)}
+    meta = {"request_id": "r", "errors": "[]"}
+    want, got = save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta), st_bytes(tensors, meta)
+    n = int.from_bytes(want[:8], "little")
+    assert got[:8] == want[:8] and json.loads(got[8:8 + n]) == json.loads(want[8:8 + n])
+    assert got[8 + n:] == want[8 + n:]
+    back = load(st_bytes(tensors))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())

@@ -19,6 +19,11 @@ import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
+try:                                   # safetensors >= 0.8: tensors described by pointer
+    from safetensors import TensorSpec, serialize
+except ImportError:                    # older: safetensors.torch.save
+    TensorSpec = serialize = None
+
 from . import spill as spill_mod
 from .hostmem import CHUNK_BYTES, Chunked, as_tensor, copy_many, host_empty
 
@@ -118,7 +123,7 @@ class RequestStore:
         return tensors
 
     def to_bytes(self, meta: dict, extra: dict[str, torch.Tensor] | None = None) -> bytes:
-        return _st_bytes(self._tensors(extra), {"vllm_hook": json.dumps(meta)})
+        return st_bytes(self._tensors(extra), {"vllm_hook": json.dumps(meta)})
 
     def to_wire(self, meta: dict, spill: dict | None, extra: dict[str, torch.Tensor] | None = None
                 ) -> dict[str, Any]:
@@ -134,8 +139,23 @@ class RequestStore:
         return {"blob": self.to_bytes(meta, extra)}
 
 
-def _st_bytes(tensors: dict[str, Any], metadata: dict[str, str]) -> bytes:
-    return st_save({k: as_tensor(t) for k, t in tensors.items()}, metadata=metadata)
+_NOTHING = torch.zeros(8, dtype=torch.uint8)     # where an empty tensor's bytes "are"
+
+
+def st_bytes(tensors: dict[str, Any], metadata: dict[str, str] | None = None) -> bytes:
+    """Safetensors bytes of host tensors (or `Chunked`) that share no memory: the
+    bytes `safetensors.torch.save` makes. Its Python prepares each tensor through ctypes and
+    numpy (about 80 µs a tensor on the CI machine: a 4-layer last-token result in 750 µs); its
+    serializer is given the tensors' pointers directly (56 µs)."""
+    tensors = {k: as_tensor(t).contiguous() for k, t in tensors.items()}
+    if TensorSpec is None:
+        return st_save(tensors, metadata=metadata)
+    specs = {}
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        specs[k] = TensorSpec(dtype=str(t.dtype)[6:], shape=tuple(t.shape),
+                              data_ptr=t.data_ptr() if n else _NOTHING.data_ptr(), data_len=n)
+    return bytes(serialize(specs, metadata=metadata))    # `tensors` keeps the memory alive
 
 
 PACK_BELOW = 64 << 10      # tensors smaller than this are concatenated across a fetch's requests
@@ -228,7 +248,7 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
                 return {"path": spill_mod.write_spilled(tensors, meta, spill["dir"]), **extra}
             except OSError:     # full (a container's small /dev/shm) or vanished: use the RPC
                 pass
-        return {"blob": _st_bytes(tensors, meta), **extra}
+        return {"blob": st_bytes(tensors, meta), **extra}
     except BaseException:
         if refs:
             arena.unlend(refs.values())      # this reply is not sent: its pieces stay here
