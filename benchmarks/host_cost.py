@@ -100,17 +100,19 @@ def step(rt: HookRuntime, ids: list[str], rows_each: int, computed: list[int]) -
     return time.perf_counter() - t
 
 
-def served_cost(fetched, keys, items, points, gen, cfg) -> dict:
-    """µs per request of a served response's results: the server's encoding and the client's
-    decoding, for results built in float32 and in the model's dtype (widened by the client)."""
+def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
+    """µs per request of a served response's results: the server's parse and build, its
+    encoding and the client's decoding, for results built in float32 and in the model's dtype
+    (widened by the client)."""
     out, store = {}, ResultStore(1 << 40, 600.0)
     for label, dtype, widen in (("float32", "float32", None), ("wire", "model", "float32")):
-        built, opened = [], Opened()
+        built, t = [], time.perf_counter()
         for k in keys:
             r = build([opened.part(e, dtype) for e in fetched[k]], items, points, request_id="r", prompt_token_ids=list(range(P)),
                       output_token_ids=gen, dtype=dtype)
             r.widen_to = widen
             built.append(r)
+        t_build = time.perf_counter() - t
         t = time.perf_counter()
         entries = [encode.encode_one(r, 0, store, cfg) for r in built]
         t_enc = time.perf_counter() - t
@@ -119,7 +121,8 @@ def served_cost(fetched, keys, items, points, gen, cfg) -> dict:
         for b in blobs:
             Results.from_bytes(b)
         t_dec = time.perf_counter() - t
-        out.update({f"served_encode_{label}_us": 1e6 * t_enc / len(keys),
+        out.update({f"served_read_build_{label}_us": 1e6 * t_build / len(keys),
+                    f"served_encode_{label}_us": 1e6 * t_enc / len(keys),
                     f"client_decode_{label}_us": 1e6 * t_dec / len(keys),
                     f"served_bytes_{label}": sum(e["bytes"] for e in entries) / len(keys)})
     return out
@@ -190,7 +193,7 @@ def main() -> None:
                 build(parts[k], items if stored else [], st.points, request_id="r",
                       prompt_token_ids=list(range(P)), output_token_ids=gen)
             t_build = (time.perf_counter() - t) / n
-            served = served_cost(fetched, keys, items if stored else [], st.points, gen, cfg) if args.served else {}
+            served = served_cost(opened, fetched, keys, items if stored else [], st.points, gen, cfg) if args.served else {}
         out[name] = {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
                      "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
                      "worker_decode_routing_us": 1e6 * t_decode, "worker_finish_us": 1e6 * t_finish,
