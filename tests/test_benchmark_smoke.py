@@ -63,9 +63,13 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
 def test_host_cost_microbenchmark_smoke(tmp_path):
     """Admission and delivery paths for 256 requests, no engine (issue 17)."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_cost.py"), "--requests", "256",
-                           "--out", str(tmp_path / "host.json")], capture_output=True, text=True, timeout=600)
+                           "--served", "--out", str(tmp_path / "host.json")], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "host.json").read_text())
     for row in r.values():
         # The resolution cache: a batch sharing one spec resolves it once.
         assert row["frontend_admit_cached_us"] < row["frontend_admit_us"]
+    # Served results travel in the model's dtype: half the bytes of float32 for the captures.
+    cap = r["capture_all_tokens_4_layers"]
+    assert cap["served_bytes_wire"] < 0.6 * cap["served_bytes_float32"]
