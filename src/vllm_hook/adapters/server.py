@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import SimpleNamespace
@@ -40,6 +41,14 @@ SERVED_ATTR = "_vllm_hook_served"
 BATCHER_ATTR = "_vllm_hook_fetcher"
 
 ENCODE_ON_LOOP_BELOW = 256 << 10    # bytes of activations
+_ENCODER: ThreadPoolExecutor | None = None
+
+
+def _encoder() -> ThreadPoolExecutor:
+    global _ENCODER
+    if _ENCODER is None:
+        _ENCODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm_hook_encode")
+    return _ENCODER
 
 
 @dataclass
@@ -215,14 +224,17 @@ def _error(serving: Any, err: SpecError):
 
 async def _encode(serving: Any, sink: encode.Sink) -> dict:
     sv = served_of(serving.engine_client)
-    # Serialising large captures is CPU work: off the event loop. Small ones stay on it: the hop
-    # to a thread and back waits for the GIL (up to its 5 ms switch interval) while the loop
-    # runs, more than the encoding itself.
+    # Serialising large captures is CPU work: off the event loop, on one thread of our own (a
+    # batch's large results queued in the default pool held back vLLM's own work there, and
+    # the serializer holds the GIL: more threads only contend for it). Small ones stay on the
+    # loop: the hop to a thread and back waits for the GIL (up to its 5 ms switch interval)
+    # while the loop runs, more than the encoding itself.
     t0 = time.perf_counter()
     if encode.nbytes(sink) < ENCODE_ON_LOOP_BELOW:
         body = encode.payload(sink, sv.store, sv.frontend.cfg)
     else:
-        body = await asyncio.to_thread(encode.payload, sink, sv.store, sv.frontend.cfg)
+        body = await asyncio.get_running_loop().run_in_executor(
+            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg)
     sv.frontend.timing["encode_s"] += time.perf_counter() - t0
     return body
 
