@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from . import __version__
 from .delivery.store import safetensors_metadata, st_bytes
@@ -116,9 +116,8 @@ class Results:
 
     def save(self, path: str | os.PathLike) -> str:
         """One safetensors file: `{site}.{layer}`, `{site}.{layer}.positions`, `token_ids`."""
-        tensors, meta = self._payload()
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata=meta)
+        Path(path).write_bytes(self.to_bytes())      # one encoding for files and the wire
         self.path = str(path)
         return self.path
 
