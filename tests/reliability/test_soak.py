@@ -80,8 +80,8 @@ async def _abort_a_stream(url: str, text: str) -> None:
                 break
 
 
-async def _soak(url: str, pid: int):
-    samples, first, done = [], {}, 0
+async def _soak(url: str, pid: int, start: int, stop: int):
+    samples, first, done = [], {}, start
     async with vllm_hook.AsyncClient(url, api_key=API_KEY) as ac:
         await ac.register_vectors({"calm": vec(1)})
         sem = asyncio.Semaphore(CONCURRENCY)
@@ -102,8 +102,8 @@ async def _soak(url: str, pid: int):
                         _same_as_first(first, (i % 5, i % len(TEXTS)), g.results)
                 done += 1
 
-        for start in range(0, N, SAMPLE_EVERY):
-            await asyncio.gather(*(one(i) for i in range(start, min(N, start + SAMPLE_EVERY))))
+        for at in range(start, stop, SAMPLE_EVERY):
+            await asyncio.gather(*(one(i) for i in range(at, min(stop, at + SAMPLE_EVERY))))
             samples.append((done, _tree_rss(pid)))
         health = await ac.health()
     return samples, health
@@ -130,30 +130,50 @@ def no_engine(engines):
     engines.close()          # one vLLM engine at a time on a 2-core box
 
 
+def _slopes(samples: list, name: str) -> list[float] | None:
+    """KiB per request of a linear fit over `samples` and over each of its halves."""
+    pts = [(n, rss[name]) for n, rss in samples if name in rss]
+    if len(pts) < 6:
+        return None
+    return [float(np.polyfit(*zip(*w), 1)[0]) for w in (pts, pts[:len(pts) // 2], pts[len(pts) // 2:])]
+
+
 def test_soak_5000_mixed_requests_keep_memory_flat(no_engine):
     with serving(CONFIG, env_extra=ONEDNN_CACHE_OFF) as srv:
         t0 = time.monotonic()
-        samples, health = asyncio.run(_soak(srv.url, srv.proc.pid))
+        samples, health = asyncio.run(_soak(srv.url, srv.proc.pid, 0, N))
         elapsed = time.monotonic() - t0
-    assert health["retained_results"]["count"] == 0 and health["pending_requests"] == 0, health
-    w = health["workers"][0]
-    assert w["results_waiting"] == 0 and w["retained_bytes"] == 0 and w["capture_bytes_in_flight"] == 0, w
-    left = [f for f in glob.glob("/dev/shm/vllm_hook-*") if "-probe-" not in f and "-free-" not in f]
-    assert not left, left[:3]
-    half = samples[len(samples) // 2:]
-    print(f"\n[soak] {N} requests in {elapsed:.0f} s; RSS KiB at request "
-          f"{samples[0][0]} -> {samples[-1][0]}, slope over the second half:")
-    # A leak grows in every window; a one-off step (an allocator arena, a cache filling once)
-    # lifts one. So a process fails when the second half's slope and both of its halves' are
-    # over the bound (runs here: usually 0.2-0.3, once in a while one window near 1 KiB).
+        assert health["retained_results"]["count"] == 0 and health["pending_requests"] == 0, health
+        w = health["workers"][0]
+        assert w["results_waiting"] == 0 and w["retained_bytes"] == 0 and w["capture_bytes_in_flight"] == 0, w
+        left = [f for f in glob.glob("/dev/shm/vllm_hook-*") if "-probe-" not in f and "-free-" not in f]
+        assert not left, left[:3]
+        half = samples[len(samples) // 2:]
+        print(f"\n[soak] {N} requests in {elapsed:.0f} s; RSS KiB at request "
+              f"{samples[0][0]} -> {samples[-1][0]}, slope over the second half:")
+        # A leak grows in every window; a one-off step (an allocator arena, a cache filling
+        # once) lifts one. A process is suspect when the second half's slope and both of its
+        # halves' are over the bound (runs here: usually 0.1-0.3; CI once read 1.49, halves
+        # 1.73 and 1.20, on the worker); a suspect fails only if it keeps growing over the
+        # bound through N / 2 more requests: a bounded cache or arena filling has stopped by
+        # then, a leak has not.
+        suspects = []
+        for name in samples[-1][1]:
+            slopes = _slopes(half, name)
+            if slopes is None:
+                continue
+            print(f"  {name}: {samples[0][1].get(name)} -> {samples[-1][1][name]}, {slopes[0]:.3f} KiB/request "
+                  f"(halves {slopes[1]:.3f}, {slopes[2]:.3f})")
+            if min(slopes) > SLOPE_KIB:
+                suspects.append(name)
+        if not suspects:
+            return
+        more, _ = asyncio.run(_soak(srv.url, srv.proc.pid, N, N + N // 2))
     steep = []
-    for name in samples[-1][1]:
-        pts = [(n, rss[name]) for n, rss in half if name in rss]
-        if len(pts) < 6:
-            continue
-        slopes = [float(np.polyfit(*zip(*w), 1)[0]) for w in (pts, pts[:len(pts) // 2], pts[len(pts) // 2:])]
-        print(f"  {name}: {samples[0][1].get(name)} -> {samples[-1][1][name]}, {slopes[0]:.3f} KiB/request "
-              f"(halves {slopes[1]:.3f}, {slopes[2]:.3f})")
-        if min(slopes) > SLOPE_KIB:
-            steep.append(f"{name}: {slopes[0]:.2f} KiB/request (halves {slopes[1]:.2f}, {slopes[2]:.2f})")
+    for name in suspects:
+        slopes = _slopes(samples[-1:] + more, name)
+        print(f"  {name}, {N // 2} more requests: {samples[-1][1][name]} -> {more[-1][1].get(name)}, "
+              f"{slopes[0]:.3f} KiB/request (halves {slopes[1]:.3f}, {slopes[2]:.3f})")
+        if slopes[0] > SLOPE_KIB:
+            steep.append(f"{name}: {slopes[0]:.2f} KiB/request over {N // 2} more requests")
     assert not steep, steep
