@@ -7,11 +7,15 @@ server and a vllm-hook server, one run.
 N clients at once (one asyncio task each, `vllm_hook.AsyncClient` over one HTTP connection pool)
 each send one completion of a token-id prompt. Timed from the first request sent to the last
 response's results decoded (`Generation.results`): what a served user waits for. Each rep times
-the native server (`VLLM_HOOK_DISABLE=1`), then the plugin server without specs and with the
-workload's specs, those two in alternating order; the in-engine ratio is hooked over unhooked on
-one server. Both servers run at once, each with its share of GPU memory, and only one is sent
-requests at a time. Results are inline up to --inline-bytes (default: the plugin's), larger ones
-by handle (the client fetches and deletes each in one round trip).
+native, plugin, native, plugin: the native server (`VLLM_HOOK_DISABLE=1`) twice, its mean
+taken, and the plugin server with the workload's specs and without, hooked first on even reps,
+unhooked first on odd ones, so that no server serves two batches in a row (that batch is slower
+whichever server it is). The in-engine ratio is hooked over unhooked on one server.
+`--control` starts a second native server for the second native slot: its ratio to the first
+is the floor of what two servers on one machine differ by.
+The servers run at once (started one after another), each with its share of GPU memory, and
+only one is sent requests at a time. Results are inline up to --inline-bytes (default: the
+plugin's), larger ones by handle (the client fetches and deletes each in one round trip).
 """
 
 from __future__ import annotations
@@ -53,15 +57,25 @@ def server_args(args) -> list[str]:
 def start_servers(args, model: str, out: Path) -> dict[str, Server]:
     launcher = "api-server" if args.smoke else "module"
     servers = {}
-    for name, env, config in (("native", {"VLLM_HOOK_DISABLE": "1"}, None),
+    native = [("native", {"VLLM_HOOK_DISABLE": "1"}, None)]
+    if args.control:
+        native.append(("native_b", {"VLLM_HOOK_DISABLE": "1"}, None))
+    for name, env, config in (*native,
                               ("plugin", {}, {"vllm_hook": {"capture_pool_rows": 1 << 18, **(
                                   {} if args.inline_bytes is None else {"max_inline_result_bytes": args.inline_bytes})}})):
         port = free_port()
         cmd = launch_command(launcher, model, port, KEY, config, server_args(args))
+        # One at a time: vLLM sizes its KV cache from the GPU memory that moved while it
+        # profiled, so another server allocating meanwhile can leave it none (a third server
+        # started alongside failed so on the H200).
+        t = time.monotonic()
         servers[name] = Server(cmd, out / f"server-{name}.log", port, env=env)
-    t = time.monotonic()
-    for name, s in servers.items():
-        s.wait_healthy(args.start_timeout)
+        try:
+            servers[name].wait_healthy(args.start_timeout)
+        except BaseException:
+            for s in servers.values():
+                s.stop()
+            raise
         print(f"[{name}] healthy after {time.monotonic() - t:.0f} s", flush=True)
     return servers
 
@@ -70,10 +84,12 @@ class Driver:
     """One server's client: a connection pool large enough for every request of a batch."""
 
     def __init__(self, url: str, max_requests: int):
-        # Idle connections expire before the server's keep-alive timeout (uvicorn's 5 s) closes
-        # them: reusing one the server is closing fails (httpx.ReadError).
-        limits = httpx.Limits(max_connections=max_requests + 8, max_keepalive_connections=max_requests + 8,
-                              keepalive_expiry=2.0)
+        # No keep-alive: httpx's pool slows down as it fills with idle connections (encode/httpx
+        # #3215). Reusing them, a batch of 128 took 2.8 s on the CI machine's tiny server against
+        # 1.45 s on fresh connections and 0.8 s with none kept; on the H200 it is the likely cause
+        # of a server's batch right after its own previous one taking 1.4 to 1.8x as long (run
+        # 80). Connections to a local server cost little to open.
+        limits = httpx.Limits(max_connections=max_requests + 8, max_keepalive_connections=0)
         self.http = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
                                       timeout=1800, limits=limits)
         self.client = AsyncClient(url, http=self.http)
@@ -103,21 +119,27 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
     plain = [None] * n
     rows = []
     before = await counters(drivers["plugin"])
+    second = ("native_b_s", "native_b") if "native_b" in drivers else ("native_2_s", "native")
     for rep in range(reps):
         ps = prompts(n, plen, vocab, seed=1000 * rep + n)
-        tn = await drivers["native"].batch(ps, gen, plain)
-        pair = [("hooked_s", specs), ("unhooked_s", plain)]
-        row = {"native_s": tn}
-        for key, sp in pair if rep % 2 == 0 else pair[::-1]:
-            row[key] = await drivers["plugin"].batch(ps, gen, sp)
+        first, then = [("hooked_s", specs), ("unhooked_s", plain)][::1 if rep % 2 == 0 else -1]
+        # No server serves two batches in a row: on the H200 a server's batch right after its
+        # own previous one took 1.4 to 1.8x as long, native's and the plugin's alike (run 80).
+        row = {}
+        for key, server, sp in (("native_s", "native", plain), (first[0], "plugin", first[1]),
+                                (*second, plain), (then[0], "plugin", then[1])):
+            row[key] = await drivers[server].batch(ps, gen, sp)
+        if "native_2_s" in row:          # without --control native runs twice a rep: their mean
+            row["native_s"] = (row["native_s"] + row.pop("native_2_s")) / 2
         rows.append(row)
     after = await counters(drivers["plugin"])
     res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows,
            "host_us_per_request": {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / (n * reps)
                                    for k, label in SERVED_STAGES.items()}}
     for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s"),
-                          ("unhooked_vs_native", "unhooked_s", "native_s")):
-        res[est] = median_ci([r[num] / r[den] for r in rows])
+                          ("unhooked_vs_native", "unhooked_s", "native_s"), ("native_b_vs_native", "native_b_s", "native_s")):
+        if num in rows[0]:
+            res[est] = median_ci([r[num] / r[den] for r in rows])
     res["requests_per_s_native"] = n / min(r["native_s"] for r in rows)
     print(f"  {name:30s} n={n:<4d} {plen}+{gen}: in-engine {res['in_engine'][0]:.3f} "
           f"[{res['in_engine'][1]:.3f}, {res['in_engine'][2]:.3f}]  vs native {res['vs_native'][0]:.3f}  "
@@ -132,12 +154,15 @@ def report(result: dict) -> str:
              f"{m.get('inline_bytes') or 'the default 1 MiB'} bytes, larger by handle). Ratios: median "
              "[95 % bootstrap interval] over reps.", "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
-             "unhooked vs native | native, requests/s | target |", "|---|---|---|---|---|---|---|---|"]
+             "unhooked vs native | second native vs native | native, requests/s | target |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("cases", []):
-        ie = r["in_engine"]
+        ie, uv = r["in_engine"], r["unhooked_vs_native"]
+        nb = r.get("native_b_vs_native")
         lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
-                     f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {r['unhooked_vs_native'][0]:.3f} | "
-                     f"{r['requests_per_s_native']:.0f} | {verdict(r)} |")
+                     f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {uv[0]:.3f} [{uv[1]:.3f}, {uv[2]:.3f}] | "
+                     + (f"{nb[0]:.3f} [{nb[1]:.3f}, {nb[2]:.3f}]" if nb else "–")
+                     + f" | {r['requests_per_s_native']:.0f} | {verdict(r)} |")
     lines += ["", "Plugin server's host time per hooked request by stage (µs, from its counters):", "",
               "| workload | requests | gen | " + " | ".join(SERVED_STAGES.values()) + " |",
               "|---|---|---|" + "---|" * len(SERVED_STAGES)]
@@ -184,6 +209,8 @@ def main() -> None:
     ap.add_argument("--inline-bytes", type=int,
                     help="the plugin server's max_inline_result_bytes (larger results go by handle; "
                          "default: the plugin's, 1 MiB; runs 48 and 49 used 64 MiB: all inline)")
+    ap.add_argument("--control", action="store_true",
+                    help="start a second native server: the two natives' ratio is the machine's floor")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     ap.add_argument("--smoke-layers", type=int, default=4, help="--smoke: layers of the tiny Qwen2")
     args = ap.parse_args()

@@ -60,6 +60,24 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
     assert all(c["bytes"] > 0 and c["extract_tok_s"] > 0 for c in xs["cases"])
 
 
+def test_served_throughput_benchmark_smoke(tmp_path, engines):
+    """benchmarks/throughput_served.py (issue 17): a native and a plugin `vllm serve`, each rep
+    native, plugin, native, plugin."""
+    engines.close()
+    out = tmp_path / "tps"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput_served.py"), "--smoke",
+                           "--workloads", "unused", "mixed_thirds", "--batches", "8x16+4", "--reps", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((out / "results.json").read_text())
+    assert [c["workload"] for c in r["cases"]] == ["unused", "mixed_thirds"]
+    for c in r["cases"]:
+        assert all(set(x) == {"native_s", "hooked_s", "unhooked_s"} for x in c["reps"]), c["reps"]
+    mixed = r["cases"][1]["host_us_per_request"]
+    assert mixed["admission (parse, resolve)"] > 0 and mixed["encode (safetensors; inline or a handle)"] > 0
+    assert "| mixed_thirds | 8 | 16 + 4 |" in (out / "report.md").read_text()
+
+
 def test_host_cost_microbenchmark_smoke(tmp_path):
     """Admission and delivery paths for 256 requests, no engine (issue 17)."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_cost.py"), "--requests", "256",

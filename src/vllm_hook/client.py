@@ -29,6 +29,10 @@ from .spec.schema import SPEC_KEY, HookSpec
 from .spec.vectors import encode_vector
 
 DEFAULT_TIMEOUT = 600.0
+# httpx's default of 100 connections would hold a batch of 256 concurrent requests to 100 in
+# flight at the server. Few are kept alive: httpx's pool slows as it fills with idle
+# connections (encode/httpx#3215; docs/benchmarks.md, runs 78 to 80).
+ASYNC_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=20)
 
 
 class ServerError(Exception):
@@ -390,8 +394,8 @@ class AsyncClient:
                  model: str | None = None, timeout: float = DEFAULT_TIMEOUT,
                  http: httpx.AsyncClient | None = None):
         self.model = model
-        self._http = http or httpx.AsyncClient(base_url=_base_url(base_url),
-                                               headers=_headers(api_key), timeout=timeout)
+        self._http = http or httpx.AsyncClient(base_url=_base_url(base_url), headers=_headers(api_key),
+                                               timeout=timeout, limits=ASYNC_LIMITS)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
