@@ -16,6 +16,9 @@ is the floor of what two servers on one machine differ by.
 The servers run at once (started one after another), each with its share of GPU memory, and
 only one is sent requests at a time. Results are inline up to --inline-bytes (default: the
 plugin's), larger ones by handle (the client fetches and deletes each in one round trip).
+The client keeps no connection alive (`--client-limits async-client`: `vllm_hook.AsyncClient`'s
+own pool, 20 kept). "MB / extra s" is the hooked batch's activation bytes over its median extra
+time: the bandwidth at which moving the results alone would explain the extra.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from gpu_serve_check import Server, free_port, launch_command  # noqa: E402
 from pool import median_ci  # noqa: E402
 from run import Record, bench_parser, run_meta, workloads  # noqa: E402
 from throughput import STAGES, verdict  # noqa: E402
-from vllm_hook.client import AsyncClient  # noqa: E402
+from vllm_hook.client import ASYNC_LIMITS, AsyncClient  # noqa: E402
 
 KEY = "bench-key"
 VECTOR = "bench_a"
@@ -83,26 +86,34 @@ def start_servers(args, model: str, out: Path) -> dict[str, Server]:
 class Driver:
     """One server's client: a connection pool large enough for every request of a batch."""
 
-    def __init__(self, url: str, max_requests: int):
+    def __init__(self, url: str, max_requests: int, client_limits: str = "none-kept"):
         # No keep-alive: httpx's pool slows down as it fills with idle connections (encode/httpx
         # #3215). Reusing them, a batch of 128 took 2.8 s on the CI machine's tiny server against
         # 1.45 s on fresh connections and 0.8 s with none kept; on the H200 it is the likely cause
         # of a server's batch right after its own previous one taking 1.4 to 1.8x as long (run
         # 80). Connections to a local server cost little to open.
-        limits = httpx.Limits(max_connections=max_requests + 8, max_keepalive_connections=0)
+        # `--client-limits async-client`: vllm_hook.AsyncClient's own (what a user gets).
+        limits = (ASYNC_LIMITS if client_limits == "async-client"
+                  else httpx.Limits(max_connections=max_requests + 8, max_keepalive_connections=0))
         self.http = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
                                       timeout=1800, limits=limits)
         self.client = AsyncClient(url, http=self.http)
+        self.delivered = 0      # bytes of activations in the last batch's results
 
     async def batch(self, ps: list[list[int]], gen: int, specs: list) -> float:
         """Seconds from sending the first of `ps` to holding every response and its results."""
         t = time.perf_counter()
         gens = await asyncio.gather(*(self.client.generate(p, s, max_tokens=gen, temperature=0.0, ignore_eos=True)
                                       for p, s in zip(ps, specs)))
+        took = time.perf_counter() - t
+        self.delivered = 0
         for g, s in zip(gens, specs):      # a failed op is an error in the results: none here
             if s is not None and (g.results is None or not g.results.ok):
                 raise RuntimeError(f"request failed: {g.results and g.results.errors}")
-        return time.perf_counter() - t
+            if g.results is not None:
+                self.delivered += sum(t.numel() * t.element_size() for per_layer in g.results.activations.values()
+                                      for t in per_layer.values())
+        return took
 
 
 async def counters(driver: Driver) -> dict:
@@ -129,6 +140,8 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
         for key, server, sp in (("native_s", "native", plain), (first[0], "plugin", first[1]),
                                 (*second, plain), (then[0], "plugin", then[1])):
             row[key] = await drivers[server].batch(ps, gen, sp)
+            if key == "hooked_s":
+                row["delivered_bytes"] = drivers[server].delivered
         if "native_2_s" in row:          # without --control native runs twice a rep: their mean
             row["native_s"] = (row["native_s"] + row.pop("native_2_s")) / 2
         rows.append(row)
@@ -141,6 +154,10 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
         if num in rows[0]:
             res[est] = median_ci([r[num] / r[den] for r in rows])
     res["requests_per_s_native"] = n / min(r["native_s"] for r in rows)
+    # What the hooked batch's extra time would be if all of it were moving its results' bytes.
+    res["delivered_mb"] = rows[0]["delivered_bytes"] / 1e6
+    extra = sorted(r["hooked_s"] - r["unhooked_s"] for r in rows)[len(rows) // 2]
+    res["delivered_gb_per_extra_s"] = res["delivered_mb"] / 1e3 / extra if extra > 0 and res["delivered_mb"] else None
     print(f"  {name:30s} n={n:<4d} {plen}+{gen}: in-engine {res['in_engine'][0]:.3f} "
           f"[{res['in_engine'][1]:.3f}, {res['in_engine'][2]:.3f}]  vs native {res['vs_native'][0]:.3f}  "
           f"native {1e3 * min(r['native_s'] for r in rows):.0f} ms", flush=True)
@@ -154,15 +171,18 @@ def report(result: dict) -> str:
              f"{m.get('inline_bytes') or 'the default 1 MiB'} bytes, larger by handle). Ratios: median "
              "[95 % bootstrap interval] over reps.", "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
-             "unhooked vs native | second native vs native | native, requests/s | target |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "unhooked vs native | second native vs native | native, requests/s | results delivered (MB) | "
+             "MB / extra s | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("cases", []):
         ie, uv = r["in_engine"], r["unhooked_vs_native"]
         nb = r.get("native_b_vs_native")
         lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
                      f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {uv[0]:.3f} [{uv[1]:.3f}, {uv[2]:.3f}] | "
                      + (f"{nb[0]:.3f} [{nb[1]:.3f}, {nb[2]:.3f}]" if nb else "–")
-                     + f" | {r['requests_per_s_native']:.0f} | {verdict(r)} |")
+                     + f" | {r['requests_per_s_native']:.0f} | {r.get('delivered_mb', 0):.3g} | "
+                     + (f"{1e3 * r['delivered_gb_per_extra_s']:.0f}" if r.get("delivered_gb_per_extra_s") else "–")
+                     + f" | {verdict(r)} |")
     lines += ["", "Plugin server's host time per hooked request by stage (µs, from its counters):", "",
               "| workload | requests | gen | " + " | ".join(SERVED_STAGES.values()) + " |",
               "|---|---|---|" + "---|" * len(SERVED_STAGES)]
@@ -178,7 +198,7 @@ async def bench(args, model: str, cfg: dict, result: Record) -> None:
     drivers = {}
     try:
         n_max = max(int(b.split("x")[0]) for b in args.batches)
-        drivers = {name: Driver(s.url, n_max) for name, s in servers.items()}
+        drivers = {name: Driver(s.url, n_max, args.client_limits) for name, s in servers.items()}
         import torch
 
         await drivers["plugin"].client.register_vectors({VECTOR: torch.randn(cfg["hidden_size"])})
@@ -211,6 +231,9 @@ def main() -> None:
                          "default: the plugin's, 1 MiB; runs 48 and 49 used 64 MiB: all inline)")
     ap.add_argument("--control", action="store_true",
                     help="start a second native server: the two natives' ratio is the machine's floor")
+    ap.add_argument("--client-limits", choices=["none-kept", "async-client"], default="none-kept",
+                    help="the client's connection pool: none kept alive (default), or vllm_hook.AsyncClient's "
+                         "own limits (1,024 connections, 20 kept alive)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     ap.add_argument("--smoke-layers", type=int, default=4, help="--smoke: layers of the tiny Qwen2")
     args = ap.parse_args()
@@ -227,7 +250,8 @@ def main() -> None:
     args.batches = args.batches or ["64x128+1", "64x128+128", "256x128+1", "256x128+128"]
     args.reps = args.reps or 5
     cfg = json.loads((Path(model) / "config.json").read_text())
-    result = Record(Path(args.out), run_meta(model, cfg, inline_bytes=args.inline_bytes), render=report, cases=[])
+    result = Record(Path(args.out), run_meta(model, cfg, inline_bytes=args.inline_bytes,
+                                              client_limits=args.client_limits), render=report, cases=[])
     try:
         asyncio.run(bench(args, model, cfg, result))
     finally:
