@@ -111,8 +111,8 @@ class Driver:
             if s is not None and (g.results is None or not g.results.ok):
                 raise RuntimeError(f"request failed: {g.results and g.results.errors}")
             if g.results is not None:
-                self.delivered += sum(t.numel() * t.element_size() for per_layer in g.results.activations.values()
-                                      for t in per_layer.values())
+                self.delivered += sum(x.numel() * x.element_size() for per_layer in g.results.activations.values()
+                                      for x in per_layer.values())
         return took
 
 
@@ -154,7 +154,7 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
         if num in rows[0]:
             res[est] = median_ci([r[num] / r[den] for r in rows])
     res["requests_per_s_native"] = n / min(r["native_s"] for r in rows)
-    # What the hooked batch's extra time would be if all of it were moving its results' bytes.
+    # The bandwidth at which moving the results' bytes alone would take the hooked batch's extra time.
     res["delivered_mb"] = rows[0]["delivered_bytes"] / 1e6
     extra = sorted(r["hooked_s"] - r["unhooked_s"] for r in rows)[len(rows) // 2]
     res["delivered_gb_per_extra_s"] = res["delivered_mb"] / 1e3 / extra if extra > 0 and res["delivered_mb"] else None
