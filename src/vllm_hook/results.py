@@ -166,14 +166,14 @@ def _merge(parts: list[tuple]) -> tuple[dict, dict, list[str]]:
     TP rank 0 (of every pipeline stage: each captures its own layers), the raw per-rank pieces
     of the head-sharded points, and the errors of all ranks."""
     if len(parts) == 1:                 # one rank (no tensor parallelism): nothing to sort
-        ranks = [parts[0][:2]]
-        pts = ranks[0][0]
-    else:
-        ranks = sorted(((p, m) for p, m, _ in parts), key=lambda x: (x[1].get("rank", 0), x[1].get("pp_rank", 0)))
-        pts = {}
-        for p, m in ranks:
-            if m.get("rank", 0) == 0:
-                pts.update(p)
+        pts, meta, _ = parts[0]
+        errs = meta.get("errors")
+        return pts, [(pts, meta)], list(dict.fromkeys(errs)) if errs else []
+    ranks = sorted(((p, m) for p, m, _ in parts), key=lambda x: (x[1].get("rank", 0), x[1].get("pp_rank", 0)))
+    pts = {}
+    for p, m in ranks:
+        if m.get("rank", 0) == 0:
+            pts.update(p)
     # Every rank runs the same hooks and steering: the same failure is reported once.
     errors = list(dict.fromkeys(e for _, m in ranks for e in m.get("errors", [])))
     return pts if ranks else {}, ranks, errors
@@ -225,28 +225,29 @@ def _parsed(blob) -> tuple:
     return pts, meta, isinstance(blob, torch.Tensor)
 
 
-_PLANS: dict[int, tuple[list, list]] = {}
+_PLANS: dict[int, tuple[list, PointTable, list]] = {}
 _WANT: dict[tuple, np.ndarray] = {}
 _EMPTY_POS = torch.zeros(0, dtype=torch.int64)
 
 
-def _plan(items: list[dict]) -> list[tuple]:
-    """The spec's items per (site, layer): [(site, layer, selectors, heads wanted)]. A batch's
-    requests share one items list (`frontend.cache`): planned once, not per request."""
+def _plan(items: list[dict], points: PointTable) -> list[tuple]:
+    """The spec's items per (site, layer): [(site, layer, point, selectors, heads wanted)]. A
+    batch's requests share one items list (`frontend.cache`): planned once, not per request."""
     got = _PLANS.get(id(items))
-    if got is not None and got[0] is items:
-        return got[1]
+    if got is not None and got[0] is items and got[1] is points:
+        return got[2]
     groups: dict[tuple[str, int], list[tuple[str, tuple]]] = {}
     heads: dict[tuple[str, int], set[int]] = {}
     for it in items:
         groups.setdefault((it["site"], it["layer"]), []).append((it["sel"], tuple(it["pos"])))
         if "heads" in it:
             heads.setdefault((it["site"], it["layer"]), set()).update(it["heads"])
-    plan = [(site, layer, tuple(sels), sorted(heads.get((site, layer), ())))
+    plan = [(site, layer, points.col(site, layer), tuple(sels), sorted(heads.get((site, layer), ())))
             for (site, layer), sels in groups.items()]
     if len(_PLANS) >= 256:
         _PLANS.clear()
-    _PLANS[id(items)] = (items, plan)      # the entry keeps items alive: its id is not reused
+    # The entry keeps items (and points) alive: their ids are not reused.
+    _PLANS[id(items)] = (items, points, plan)
     return plan
 
 
@@ -304,8 +305,10 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
     owned, used = bool(parts) and all(o for _, _, o in parts), set()
     fresh = ranks[0][1].get("_fresh", ()) if len(ranks) == 1 else \
         set().union(*(m.get("_fresh", ()) for _, m in ranks if m.get("rank", 0) == 0))
-    for site, layer, sels, want_h in _plan(items):
-        point = points.col(site, layer)
+    # The points of a captured group share one positions tensor, and a spec's layers mostly
+    # one selection: each is converted and compared once per request, not per layer.
+    exact: dict[tuple[int, tuple], tuple] = {}
+    for site, layer, point, sels, want_h in _plan(items, points):
         if site in ("q", "k", "attn_scores"):
             pos, rows, heads = _sharded(ranks, point, site, layer, head_size)
             if rows is not None:
@@ -319,10 +322,14 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
         else:
             pos, rows = pts.get(point, (_EMPTY_POS, None))
             fresh_rows = point in fresh
-        pos_np = pos.numpy()
-        want = _wanted(sels, P, limit)
+        key = (id(pos), sels)
+        got = exact.get(key)
+        if got is None or got[0] is not pos:
+            pos_np, want = pos.numpy(), _wanted(sels, P, limit)
+            got = exact[key] = (pos, pos_np, want, _exactly(pos_np, want))
+        _, pos_np, want, is_exact = got
         acts = res.activations.setdefault(site, {})
-        if rows is not None and _exactly(pos_np, want):
+        if rows is not None and is_exact:
             # The common case: exactly the selected rows were captured.
             if (fresh_rows or (dtype == "model" and owned)) and id(rows) not in used:
                 used.add(id(rows))                 # resid_pre L+1 is resid_post L: one view each

@@ -115,7 +115,8 @@ class RequestStore:
         # points of a group back to back, so the frontend converts them in one copy. Rows of
         # several chunks stay a `Chunked` (`as_tensor` where a tensor is needed).
         tensors = {}
-        for points, pos, blocks in sorted(self.blocks(chunked=True), key=lambda b: b[0]):
+        got = self.blocks(chunked=True)
+        for points, pos, blocks in (sorted(got, key=lambda b: b[0]) if len(got) > 1 else got):
             name = group_name(points)
             tensors[name + ".pos"] = torch.from_numpy(pos.astype(np.int64, copy=False))
             tensors[name] = blocks if isinstance(blocks, Chunked) else blocks.contiguous()
@@ -213,9 +214,7 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
     refs: dict[str, dict] = {}
     for name, items in groups.items():
         first, ax = items[0][1], _axis(name)
-        rest = (first.shape[:ax], first.shape[ax + 1:])
-        if len(items) > 1 and all(t.dim() > ax and t.dtype == first.dtype and (t.shape[:ax], t.shape[ax + 1:]) == rest
-                                  and t.numel() * t.element_size() < PACK_BELOW for _, t in items):
+        if len(items) > 1 and _packable(items, first, ax):
             lent = _lend_rows(arena, items) if arena is not None and ax == 1 else None
             if lent is not None:
                 refs[name], order, t = lent
@@ -253,6 +252,19 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
         if refs:
             arena.unlend(refs.values())      # this reply is not sent: its pieces stay here
         raise
+
+
+def _packable(items: list[tuple[int, Any]], first: Any, ax: int) -> bool:
+    """Whether `items`' tensors differ only in their rows (along `ax`) and are each small."""
+    shape, dtype = first.shape, first.dtype
+    if len(shape) <= ax:
+        return False
+    head, tail, limit = shape[:ax], shape[ax + 1:], PACK_BELOW // dtype.itemsize
+    for _, t in items:
+        s = t.shape
+        if t.dtype != dtype or len(s) != len(shape) or s[:ax] != head or s[ax + 1:] != tail or s.numel() >= limit:
+            return False
+    return True
 
 
 def _by_value(name: str, ref: dict, t: Any) -> dict[str, torch.Tensor]:
@@ -418,15 +430,16 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
             pieces[j][name] = [pp[k] for pp in per_point]
     out = []
     owned_rows = {int(j) for j, _, _ in (full.rpartition("/") for full in lent) if j}
+    groups_of = {name: _group_points(name) for name in {n for ts in tensors for n in ts} | set(users)}
     for j, (m, ts, got) in enumerate(zip(metas, tensors, pieces)):
         m.pop("_packed", None)
         if j in owned_rows and all(t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
-                                   for name, t in ts.items() if _group_points(name) is not None):
+                                   for name, t in ts.items() if groups_of[name] is not None):
             m["_owned"] = True      # its rows are lent pieces: writable, the user's
         fresh: set[int] = set()
         pts, other = {}, {}
         for name, piece in got.items():
-            group = _group_points(name)
+            group = groups_of[name]
             if group is None:
                 if name.endswith(".pos"):
                     ts[name] = piece
@@ -441,7 +454,7 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
             if name in fresh_rows:
                 fresh.update(group)
         for name, t in ts.items():
-            group = _group_points(name)
+            group = groups_of[name]
             if group is not None:
                 pos = ts.get(name + ".pos")
                 if pos is None:

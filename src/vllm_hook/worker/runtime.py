@@ -654,14 +654,20 @@ class HookRuntime:
         forgotten as it is yielded (its steps may still be in flight: drain first)."""
         self.collector.drain(wait=True)
         wanted = set(keys)
-        for pool in (self.done, self.requests):
-            for rid, req in list(pool.items()):
-                if req.key in wanted and not req.fetched:
-                    self._finish_hooks(req)
-                    self.active.pop(rid, None)   # finished: it is never routed again
-                    store, req.store, req.fetched = req.store, RequestStore(), True
-                    self.done.pop(rid, None)
-                    yield rid, req, store
+        # Finished requests (the common case) were released at their finish: they leave
+        # `done` as they are taken. Requests still running (vLLM tells workers of a finish in
+        # the next step) are finished here and never routed again.
+        taken = [(rid, req) for rid, req in self.done.items() if req.key in wanted and not req.fetched]
+        for rid, _ in taken:
+            del self.done[rid]
+        taken += [(rid, req) for rid, req in self.requests.items() if req.key in wanted and not req.fetched]
+        for rid, req in taken:
+            if req.hooks is not None:
+                self._finish_hooks(req)
+            if rid in self.active:
+                del self.active[rid]
+            store, req.store, req.fetched = req.store, RequestStore(), True
+            yield rid, req, store
 
     def fetch(self, keys: list[str], spill: dict | None = None, arenas: list[str] = ()) -> dict[str, Any]:
         """Results of every request with one of `keys`, as one safetensors payload (bytes,
