@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from vllm_hook.model.layout import PointTable
 from vllm_hook.adapters.base import StepView
-from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, route_step
+from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, broadcast_rows, route_step
 from vllm_hook.worker.repeat import StepRepeat
 
 L, K = 4, 2
@@ -173,6 +174,15 @@ def test_routing_matches_a_row_by_row_reference_on_random_batches():
         stale[z:] = 0
         route_step(entries, stale, np.full((T, n_points), 999, np.int64), pool_rows, zero_upto=z)
         assert np.array_equal(stale, ref_op), trial
+        # The GPU's staging: runs of rows steered alike at every token get their first row
+        # only, the device copies it over the rest; the same op rows, stale rows or not
+        stale = rng.integers(1, 1000, (T, cols))
+        stale[z:] = 0
+        b = route_step(entries, stale, np.full((T, n_points), 999, np.int64), pool_rows, zero_upto=z,
+                       broadcast_from=int(rng.integers(1, 6)))
+        broadcast_rows(torch.from_numpy(stale), b.broadcast)
+        assert np.array_equal(stale, ref_op), trial
+        assert b.steered_upto == got.steered_upto
 
 
 def test_staging_resets_only_the_capture_entries_its_last_step_wrote():
@@ -319,3 +329,18 @@ def test_evenly_spaced_columns_are_written_as_a_slice():
         b[:, s] = np.arange(len(cols)) + 1
         ref[:, c] = np.arange(len(cols)) + 1
         assert np.array_equal(b, ref), cols
+
+
+def test_prompt_chunks_steered_alike_merge_into_one_broadcast():
+    steer = tuple(SteerRoute(col=c, entry=7 + c, sel="all") for c in range(0, L * K, K))
+    alike = RequestRoutes(4, steer=steer)
+    other = RequestRoutes(4, steer=steer[:1])
+    entries = [("a", alike, Rows(0, 4, 0)), ("b", alike, Rows(4, 4, 0)), ("c", other, Rows(8, 4, 0)),
+               ("d", alike, Rows(12, 4, 0))]
+    op = np.full((18, L * K), 5, np.int64)
+    r = route_step(entries, op, np.full((18, 2), 9, np.int64), pool_rows=10, zero_upto=18, broadcast_from=5)
+    assert r.broadcast == [(0, 8)]          # a and b merged; c and d too short on their own
+    assert (op[1:8] == 5).all()             # left for the device copy
+    assert (op[8:12] == op[8]).all() and (op[12:16] == op[0]).all() and not op[16:].any()
+    broadcast_rows(torch.from_numpy(op), r.broadcast)
+    assert (op[:8] == op[0]).all() and op[0].any() and not (op[8] == op[0]).all()

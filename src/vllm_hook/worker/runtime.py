@@ -26,7 +26,7 @@ from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..spec.resolve import unpack_steer
 from ..routing import (CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, group_captures,
-                       group_steering, op_slots, route_step)
+                       broadcast_rows, group_steering, op_slots, route_step)
 from .attention_jobs import AttnJob, scores_for_step
 from .repeat import StepRepeat
 from .hooks import RequestHooks, WorkerHooks
@@ -36,6 +36,7 @@ from .wire import check_wire
 log = logging.getLogger("vllm_hook")
 HOOK_TENSOR_PREFIX = "hk"
 MAX_SHARED_CAPTURES = 256     # distinct capture specs whose routes a worker keeps
+BROADCAST_FROM = 128          # rows steered alike from which a device copy beats writing them
 
 
 @dataclass(eq=False)
@@ -84,6 +85,10 @@ class _Staging:
     def __init__(self, bufs: HookBuffers):
         self.bufs = bufs
         self.on_device = bufs.device.type != "cpu"
+        # Prompt chunks steered alike at every token, from this many rows: their first row is
+        # written here and copied over the rest on the device (`routing.broadcast_rows`). On
+        # the CPU the arrays are the buffers themselves: written whole.
+        self.broadcast_from = BROADCAST_FROM if self.on_device else None
         if self.on_device:
             self._sets = [(torch.zeros_like(bufs.op_idx, device="cpu").pin_memory(),
                            torch.zeros_like(bufs.cap_idx, device="cpu").pin_memory(), None)
@@ -117,12 +122,13 @@ class _Staging:
         """The capture entries this turn's step wrote (`StepRouting.cap_written`)."""
         self._written[self._turn] = list(entries)
 
-    def commit(self, op_rows: int, cap_rows: int) -> None:
+    def commit(self, op_rows: int, cap_rows: int, broadcast: list[tuple[int, int]] = ()) -> None:
         if not self.on_device:
             return
         op, cap, _ = self._sets[self._turn]
         if op_rows:
             self.bufs.op_idx[:op_rows].copy_(op[:op_rows], non_blocking=True)
+            broadcast_rows(self.bufs.op_idx, broadcast)
         if cap_rows:
             self.bufs.cap_idx[:cap_rows].copy_(cap[:cap_rows], non_blocking=True)
         event = self._events[self._turn]
@@ -563,17 +569,18 @@ class HookRuntime:
         # zeroes the rows below min(op_n, T_pad) that it does not write whole.
         try:
             routing = route_step(entries, op_h[:T_pad], cap_points(cap_h[:T_pad]), self.bufs.shape.pool_rows,
-                                 zero_upto=min(op_n, T_pad))
+                                 zero_upto=min(op_n, T_pad), broadcast_from=self.staging.broadcast_from)
         except Exception:
             entries = self._without_culprits(entries, op_h, cap_h, T_pad)
             if op_n:
                 op_h[:op_n] = 0
             if has_cap:
                 self.staging.clear_captures(cap_points(cap_h), self._trash, whole=True)
-            routing = route_step(entries, op_h[:T_pad], cap_points(cap_h[:T_pad]), self.bufs.shape.pool_rows)
+            routing = route_step(entries, op_h[:T_pad], cap_points(cap_h[:T_pad]), self.bufs.shape.pool_rows,
+                                 broadcast_from=self.staging.broadcast_from)
         if has_cap:
             self.staging.wrote(routing.cap_written)
-        self.staging.commit(op_n, T_pad if routing.segments else 0)
+        self.staging.commit(op_n, T_pad if routing.segments else 0, routing.broadcast)
         self._steer_dirty = routing.steered_upto
         for req in routing.overflow:
             msg = (f"capture incomplete: one step needed more than capture_pool_rows="
