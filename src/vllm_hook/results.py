@@ -80,31 +80,24 @@ class Results:
         return self
 
     def _payload(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        tensors = {"token_ids": torch.tensor(self.token_ids, dtype=torch.int64)}
-        seen: set[int] = set()
-
-        def own(t: torch.Tensor) -> torch.Tensor:
-            # Layers of one capture group share their positions tensor: safetensors stores
-            # no tensor twice.
-            t = t.contiguous()
-            if t.numel() and t.data_ptr() in seen:
-                return t.clone()
-            seen.add(t.data_ptr())
-            return t
-
-        for site, per_layer in self.activations.items():
+        # numpy converts a list of ints about 3x faster than torch.tensor (39 -> 13 µs for 256
+        # ids, a third of a steering-only result's served encoding)
+        tensors = {"token_ids": torch.from_numpy(np.array(self.token_ids, dtype=np.int64))}
+        for site, per_layer in self.activations.items():     # may share memory: `st_bytes`
+            pos = self.positions[site]
             for layer, t in per_layer.items():
-                tensors[f"{site}.{layer}"] = own(t)
-                tensors[f"{site}.{layer}.positions"] = own(self.positions[site][layer])
+                tensors[f"{site}.{layer}"] = t
+                tensors[f"{site}.{layer}.positions"] = pos[layer]
         meta = {
             "vllm_hook_version": __version__,
             "model": self.model,
             "request_id": self.request_id,
             "index": str(self.index),
             "prompt_len": str(self.prompt_len),
-            "sites": json.dumps({s: sorted(v) for s, v in self.activations.items()}),
-            "errors": json.dumps(self.errors),
-            "heads": json.dumps(self.heads),
+            # literals for the empty case: a steering-only result's encoding is mostly these
+            "sites": json.dumps({s: sorted(v) for s, v in self.activations.items()}) if self.activations else "{}",
+            "errors": json.dumps(self.errors) if self.errors else "[]",
+            "heads": json.dumps(self.heads) if self.heads else "{}",
         }
         if self.widen_to:
             meta["widen_to"] = self.widen_to
@@ -143,10 +136,10 @@ class Results:
     def _from(cls, tensors: dict[str, torch.Tensor], meta: dict, path: str | None) -> "Results":
         out = cls(request_id=meta.get("request_id", ""), prompt_len=int(meta.get("prompt_len", 0)),
                   token_ids=tensors.pop("token_ids").tolist(), index=int(meta.get("index", 0)),
-                  model=meta.get("model", ""), errors=json.loads(meta.get("errors", "[]")),
+                  model=meta.get("model", ""), errors=_loads(meta.get("errors", "[]"), list),
                   path=path)
         out.heads = {s: {int(k): v for k, v in d.items()}
-                     for s, d in json.loads(meta.get("heads", "{}")).items()}
+                     for s, d in _loads(meta.get("heads", "{}"), dict).items()}
         if meta.get("hook_results"):
             out.hook_results = state.decode(json.loads(meta["hook_results"]), tensors)
         widen = torch.float32 if meta.get("widen_to") == "float32" else None
@@ -159,6 +152,11 @@ class Results:
             out.activations.setdefault(site, {})[int(layer)] = t
             out.positions.setdefault(site, {})[int(layer)] = tensors[f"{name}.positions"]
         return out
+
+
+def _loads(text: str, empty: type) -> Any:
+    """json.loads, with the empty case (most results' errors and heads) not parsed."""
+    return empty() if text in ("[]", "{}", "") else json.loads(text)
 
 
 def _merge(parts: list[tuple]) -> tuple[dict, dict, list[str]]:
