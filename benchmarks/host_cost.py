@@ -34,11 +34,11 @@ from vllm_hook.config import HookConfig  # noqa: E402
 from vllm_hook.delivery.arena import FRONTEND as ARENAS  # noqa: E402
 from vllm_hook.delivery.spill import open_entry, spill_target, write_spilled  # noqa: E402
 from vllm_hook.frontend.admission import _admit  # noqa: E402
-from vllm_hook.frontend.delivery import Opened, merge_ranks, no_gc  # noqa: E402
+from vllm_hook.frontend.delivery import Opened, _attach_all, merge_ranks, no_gc  # noqa: E402
 from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
 from vllm_hook.model.buffers import BufferShape, HookBuffers  # noqa: E402
 from vllm_hook.model.layout import PointTable  # noqa: E402
-from vllm_hook.results import Results, build  # noqa: E402
+from vllm_hook.results import ATTR, Results, build  # noqa: E402
 from vllm_hook.server import encode  # noqa: E402
 from vllm_hook.server.store import ResultStore  # noqa: E402
 from vllm_hook.spec import ModelInfo  # noqa: E402
@@ -183,22 +183,26 @@ def main() -> None:
         st = ip.__dict__[STATE_ATTR]
         items = st.pending["0"][1].items          # request 0 of the batch, as admitted
         gen = list(range(1, args.decode_steps + 1))
+        # The frontend's delivery as `attach` runs it once the RPC is back: each output's
+        # parts read and its Results built and attached (read and build split by its counters).
+        outputs = [SimpleNamespace(request_id=str(i), prompt_token_ids=list(range(P)), finished=True,
+                                   outputs=[SimpleNamespace(index=0, token_ids=list(gen))]) for i in range(n)]
+        todo = [(o, st.pop_pending(o.request_id)) for o in outputs]
+        st.timing["read_s"] = st.timing["build_s"] = 0.0
         with no_gc():                          # as the frontend's delivery does
-            t = time.perf_counter()
-            opened = Opened()
-            parts = {k: [opened.part(e) for e in fetched[k]] for k in keys}
-            t_read = (time.perf_counter() - t) / n
-            t = time.perf_counter()
-            for k in keys:
-                build(parts[k], items if stored else [], st.points, request_id="r",
-                      prompt_token_ids=list(range(P)), output_token_ids=gen)
-            t_build = (time.perf_counter() - t) / n
+            t, opened = time.perf_counter(), Opened()
+            _attach_all(st, todo, fetched, None, opened)
+            t_attach = (time.perf_counter() - t) / n
+            t_read, t_build = st.timing["read_s"] / n, st.timing["build_s"] / n
+            bad = [o.request_id for o in outputs if getattr(o, ATTR).errors]
+            if bad:
+                raise SystemExit(f"{name}: requests {bad[:4]} got errors: {getattr(outputs[0], ATTR).errors}")
             served = served_cost(opened, fetched, keys, items if stored else [], st.points, gen, cfg) if args.served else {}
         out[name] = {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
                      "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
                      "worker_decode_routing_us": 1e6 * t_decode, "worker_finish_us": 1e6 * t_finish,
                      "worker_fetch_us": 1e6 * t_fetch, "frontend_read_us": 1e6 * t_read,
-                     "frontend_build_us": 1e6 * t_build, **served}
+                     "frontend_build_us": 1e6 * t_build, "frontend_attach_us": 1e6 * t_attach, **served}
         print(f"{name:30s} {n} requests, µs per request: " + ", ".join(f"{k} {v:.0f}" for k, v in out[name].items()
                                                                      if k != "decode_steps"),
               flush=True)

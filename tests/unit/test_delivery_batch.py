@@ -574,3 +574,55 @@ def test_safetensors_bytes_are_those_of_safetensors_save():
     assert got[8 + n:] == want[8 + n:]
     back = load(st_bytes(tensors))
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_last_token_batch_equals_per_request_payloads(tmp_path):
+    """The small-capture path (one row per point and request, as the worker fetches it: numpy
+    positions, metadata as columns, `results._build_fresh`) gives each request what its own
+    payload gives, bit for bit; a request with errors or other fields, or whose captured row is
+    not the one selected, takes the general path with the same result."""
+    items = [{"site": "resid_post", "layer": L, "sel": "last_prompt", "pos": []} for L in (0, 2)]
+    reqs = []
+    for j in range(7):
+        s, P = RequestStore(), 6 + j
+        last = P - 1 if j != 5 else P - 2          # j = 5: not the selected row: an error
+        s.add((0, 2), np.array([last]), torch.randn(2, H, generator=torch.Generator().manual_seed(j)).bfloat16(),
+              True)
+        meta = {"req_id": f"r{j}", "prompt_len": P}
+        if j == 3:
+            meta["errors"] = ["steering at layer 9 failed"]
+        if j == 4:
+            meta["attn_heads"] = {"2": [0, 1]}
+        reqs.append((s, meta, P))
+    parts = [(dict(meta), s._tensors(None, pos_arrays=True)) for s, meta, _ in reqs]
+    assert isinstance(parts[0][1]["g0-2.pos"], np.ndarray)
+    for dtype in ("float32", "model"):
+        alone = [build(s.to_bytes(meta), items, TABLE, request_id="x", prompt_token_ids=list(range(P)),
+                       output_token_ids=[1], dtype=dtype) for s, meta, P in reqs]
+        for target in (None, spill.spill_target(str(tmp_path))):
+            buf = spill.open_entry(batch_to_wire(parts, target, {"rank": 0}))
+            parsed = parse_batch(buf, dtype)
+            assert [m["req_id"] for _, m in parsed] == [m["req_id"] for _, m, _ in reqs]
+            assert parsed[4][1]["attn_heads"] == {"2": [0, 1]} and "errors" not in parsed[0][1]
+            got = [build([(pts, meta, isinstance(buf, torch.Tensor))], items, TABLE, request_id="x",
+                         prompt_token_ids=list(range(P)), output_token_ids=[1], dtype=dtype)
+                   for (pts, meta), (_, _, P) in zip(parsed, reqs)]
+            for a, b in zip(got, alone):
+                _same(a, b)
+            assert got[3].errors == ["steering at layer 9 failed"] and got[0].ok
+            assert got[5].errors and not got[5].activations["resid_post"][0].numel()
+            # Each request's rows are its own: writing them changes nobody else's.
+            got[0].activations["resid_post"][0].mul_(0)
+            assert torch.equal(got[1].activations["resid_post"][0], alone[1].activations["resid_post"][0])
+
+
+def test_metadata_columns_round_trip():
+    from vllm_hook.delivery.store import _columns, _metas
+
+    metas = [{"req_id": "a", "prompt_len": 3}, {"req_id": "b", "prompt_len": 4, "errors": ["x"]},
+             {"req_id": "c", "prompt_len": 5, "rank": 1, "attn_heads": {"1": [2]}}]
+    cols = _columns(metas)
+    assert set(cols["cols"]) == {"req_id", "prompt_len"} and set(cols["sparse"]) == {"1", "2"}
+    assert _metas({"rows": cols}) == metas
+    assert _metas({"rows": _columns([{"k": 1, "v": 2}] * 2)}) == [{"k": 1, "v": 2}] * 2
+    assert _metas({"rows": _columns([{}, {}])}) == [{}, {}]

@@ -132,8 +132,8 @@ def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
         errs = lost.get(idx, []) + ([] if blobs or not res.fetches else [
             "no results arrived from the workers for this request"])
         r = build(blobs, res.items, st.points, request_id=str(output.request_id),
-                  prompt_token_ids=list(output.prompt_token_ids or []),
-                  output_token_ids=list(comp.token_ids) if comp is not None else [],
+                  prompt_token_ids=output.prompt_token_ids or [],       # `build` copies them
+                  output_token_ids=comp.token_ids if comp is not None else [],
                   index=idx, model=st.info.name, extra_errors=errs, head_size=st.info.head_dim,
                   dtype=dtype, hooks=res.hooks)
         if widen:
@@ -197,14 +197,19 @@ def delivered() -> None:
     RECYCLER.refill_soon()
 
 
-def _attach_all(st: FrontendState, todo: list, fetched: dict, failure: str | None) -> None:
-    opened = Opened()
+def _attach_all(st: FrontendState, todo: list, fetched: dict, failure: str | None,
+                opened: Opened | None = None) -> None:
+    with one_thread():       # once for the batch: entering it per request cost 4 µs
+        _attach_each(st, todo, fetched, failure, opened or Opened())
+
+
+def _attach_each(st: FrontendState, todo: list, fetched: dict, failure: str | None, opened: Opened) -> None:
     for out, res in todo:
         if failure is not None:
             setattr(out, ATTR, failed(out, failure))
             continue
         try:
-            got = results_for(st, out, fetched.get(res.key, []), res, opened)
+            got = _results_for(st, out, fetched.get(res.key, []), res, opened, False)
             setattr(out, ATTR, got)
             if res.stack_layers and not isinstance(got, list):
                 _lens_view(out, got, res.stack_layers)

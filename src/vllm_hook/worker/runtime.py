@@ -693,12 +693,14 @@ class HookRuntime:
                   "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers if i is not None},
                   "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers if i is not None}}
         for rid, req, store in self._take(keys):
-            meta = {"req_id": rid, "prompt_len": req.prompt_len, "errors": req.errors}
+            meta = {"req_id": rid, "prompt_len": req.prompt_len}
+            if req.errors:                      # most have none: not sent
+                meta["errors"] = req.errors
             if req.attn_heads:
                 meta["attn_heads"] = {str(k): v for k, v in req.attn_heads.items()}
-            extra = self._hook_tensors(req, meta)
+            extra = self._hook_tensors(req, meta) if req.hook_results is not None else None
             entries[req.key].append({"req_id": rid, "j": len(parts)})
-            parts.append((meta, store._tensors(extra)))
+            parts.append((meta, store._tensors(extra, pos_arrays=True)))
         if self.off:        # requests this worker never saw (admission was what failed)
             for k in [k for k, e in entries.items() if not e]:
                 entries[k].append({"req_id": k, "j": len(parts)})
@@ -728,7 +730,7 @@ class HookRuntime:
         try:
             tensors, meta["hooks"] = encode(trees, HOOK_TENSOR_PREFIX)
         except StateError as e:
-            meta["errors"] = [*meta["errors"], f"hook results could not be delivered: {e}"]
+            meta["errors"] = [*meta.get("errors", ()), f"hook results could not be delivered: {e}"]
             return {}
         return tensors
 
