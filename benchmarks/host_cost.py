@@ -128,6 +128,67 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
     return out
 
 
+def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: int, args, rnd: int) -> dict:
+    """One batch of `n` requests of spec `name` through admission, routing, finish and
+    delivery; µs per request by stage."""
+    spec = SPECS[name]
+    cold, _ = admit_batch(ip, spec, n, cache=False)
+    warm, reqs = admit_batch(ip, spec, n, cache=True)
+    new = tuple(NewRequest(f"{i}-r{rnd:07d}", r.sampling_params.extra_args["vllm_hook"], P) for i, r in enumerate(reqs))
+    t = time.perf_counter()
+    rt.on_events(SchedulerEvents(new=new))
+    t_admit = (time.perf_counter() - t) / n
+    # Routing: the prefill steps (MAX_TOKENS // P requests each), then one decode step.
+    ids = [nr.req_id for nr in new]
+    t_route = 0.0
+    for a in range(0, n, MAX_TOKENS // P):
+        t_route += step(rt, ids[a:a + MAX_TOKENS // P], P, [0] * len(ids[a:a + MAX_TOKENS // P]))
+    t_decode = sum(step(rt, ids, 1, [P + g] * n) for g in range(args.decode_steps)) / n
+    t_route /= n
+    # The prefill steps' copies (on the CPU the pools are host memory) went to the stores.
+    stored = sum(req.store.nbytes for req in rt.requests.values())
+    t = time.perf_counter()
+    rt.on_events(SchedulerEvents(finished=frozenset(rt.requests)))
+    t_finish = (time.perf_counter() - t) / n
+    keys = [r.sampling_params.extra_args["vllm_hook"]["key"] for r in reqs]
+    if stored:
+        # An engine in its steady state has a handed-back file to write into (the first
+        # fetch of a process writes a fresh one): make one as large as this payload.
+        open_entry({"path": write_spilled({"x": torch.empty(stored + (1 << 20), dtype=torch.uint8)}, {},
+                                          spill["dir"])})
+    # The frontend has mapped the worker's arena (an engine's first fetch offers it).
+    arenas = ()
+    if rt.collector is not None and rt.collector.arena is not None:
+        ARENAS.adopt(rt.collector.arena.offer())
+        arenas = ARENAS.tokens()
+    t = time.perf_counter()
+    fetched = merge_ranks([rt.fetch(keys, spill, arenas)])
+    t_fetch = (time.perf_counter() - t) / n
+    st = ip.__dict__[STATE_ATTR]
+    items = st.pending["0"][1].items          # request 0 of the batch, as admitted
+    gen = list(range(1, args.decode_steps + 1))
+    # The frontend's delivery as `attach` runs it once the RPC is back: each output's
+    # parts read and its Results built and attached (read and build split by its counters).
+    outputs = [SimpleNamespace(request_id=str(i), prompt_token_ids=list(range(P)), finished=True,
+                               outputs=[SimpleNamespace(index=0, token_ids=list(gen))]) for i in range(n)]
+    todo = [(o, st.pop_pending(o.request_id)) for o in outputs]
+    st.timing["read_s"] = st.timing["build_s"] = 0.0
+    with no_gc():                          # as the frontend's delivery does
+        t, opened = time.perf_counter(), Opened()
+        _attach_all(st, todo, fetched, None, opened)
+        t_attach = (time.perf_counter() - t) / n
+        t_read, t_build = st.timing["read_s"] / n, st.timing["build_s"] / n
+        bad = [o.request_id for o in outputs if getattr(o, ATTR).errors]
+        if bad:
+            raise SystemExit(f"{name}: requests {bad[:4]} got errors: {getattr(outputs[0], ATTR).errors}")
+        served = served_cost(opened, fetched, keys, items if stored else [], st.points, gen, cfg) if args.served else {}
+    return {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
+            "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
+            "worker_decode_routing_us": 1e6 * t_decode, "worker_finish_us": 1e6 * t_finish,
+            "worker_fetch_us": 1e6 * t_fetch, "frontend_read_us": 1e6 * t_read,
+            "frontend_build_us": 1e6 * t_build, "frontend_attach_us": 1e6 * t_attach, **served}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
@@ -136,6 +197,8 @@ def main() -> None:
     ap.add_argument("--arena-bytes", type=int, help="the workers' result arena (default: the plugin's; 0: none)")
     ap.add_argument("--served", action="store_true",
                     help="also time the served encoding and the client's decoding (float32 and model-dtype builds)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="batches per spec through the same worker, as an engine runs them; the median is reported")
     ap.add_argument("--out")
     args = ap.parse_args()
     n = args.requests
@@ -146,65 +209,13 @@ def main() -> None:
     ip = frontend(cfg)
     out = {}
     for name in args.specs:
-        spec = SPECS[name]
-        cold, _ = admit_batch(ip, spec, n, cache=False)
-        warm, reqs = admit_batch(ip, spec, n, cache=True)
-        rt = worker(cfg)
-        new = tuple(NewRequest(f"{i}-abcdef12", r.sampling_params.extra_args["vllm_hook"], P) for i, r in enumerate(reqs))
-        t = time.perf_counter()
-        rt.on_events(SchedulerEvents(new=new))
-        t_admit = (time.perf_counter() - t) / n
-        # Routing: the prefill steps (MAX_TOKENS // P requests each), then one decode step.
-        ids = [nr.req_id for nr in new]
-        t_route = 0.0
-        for a in range(0, n, MAX_TOKENS // P):
-            t_route += step(rt, ids[a:a + MAX_TOKENS // P], P, [0] * len(ids[a:a + MAX_TOKENS // P]))
-        t_decode = sum(step(rt, ids, 1, [P + g] * n) for g in range(args.decode_steps)) / n
-        t_route /= n
-        # The prefill steps' copies (on the CPU the pools are host memory) went to the stores.
-        stored = sum(req.store.nbytes for req in rt.requests.values())
-        t = time.perf_counter()
-        rt.on_events(SchedulerEvents(finished=frozenset(rt.requests)))
-        t_finish = (time.perf_counter() - t) / n
-        keys = [r.sampling_params.extra_args["vllm_hook"]["key"] for r in reqs]
-        if stored:
-            # An engine in its steady state has a handed-back file to write into (the first
-            # fetch of a process writes a fresh one): make one as large as this payload.
-            open_entry({"path": write_spilled({"x": torch.empty(stored + (1 << 20), dtype=torch.uint8)}, {},
-                                              spill["dir"])})
-        # The frontend has mapped the worker's arena (an engine's first fetch offers it).
-        arenas = ()
-        if rt.collector is not None and rt.collector.arena is not None:
-            ARENAS.adopt(rt.collector.arena.offer())
-            arenas = ARENAS.tokens()
-        t = time.perf_counter()
-        fetched = merge_ranks([rt.fetch(keys, spill, arenas)])
-        t_fetch = (time.perf_counter() - t) / n
-        st = ip.__dict__[STATE_ATTR]
-        items = st.pending["0"][1].items          # request 0 of the batch, as admitted
-        gen = list(range(1, args.decode_steps + 1))
-        # The frontend's delivery as `attach` runs it once the RPC is back: each output's
-        # parts read and its Results built and attached (read and build split by its counters).
-        outputs = [SimpleNamespace(request_id=str(i), prompt_token_ids=list(range(P)), finished=True,
-                                   outputs=[SimpleNamespace(index=0, token_ids=list(gen))]) for i in range(n)]
-        todo = [(o, st.pop_pending(o.request_id)) for o in outputs]
-        st.timing["read_s"] = st.timing["build_s"] = 0.0
-        with no_gc():                          # as the frontend's delivery does
-            t, opened = time.perf_counter(), Opened()
-            _attach_all(st, todo, fetched, None, opened)
-            t_attach = (time.perf_counter() - t) / n
-            t_read, t_build = st.timing["read_s"] / n, st.timing["build_s"] / n
-            bad = [o.request_id for o in outputs if getattr(o, ATTR).errors]
-            if bad:
-                raise SystemExit(f"{name}: requests {bad[:4]} got errors: {getattr(outputs[0], ATTR).errors}")
-            served = served_cost(opened, fetched, keys, items if stored else [], st.points, gen, cfg) if args.served else {}
-        out[name] = {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
-                     "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
-                     "worker_decode_routing_us": 1e6 * t_decode, "worker_finish_us": 1e6 * t_finish,
-                     "worker_fetch_us": 1e6 * t_fetch, "frontend_read_us": 1e6 * t_read,
-                     "frontend_build_us": 1e6 * t_build, "frontend_attach_us": 1e6 * t_attach, **served}
+        rt = worker(cfg)              # one worker for every round, as in an engine
+        rounds = [one_round(ip, rt, cfg, spill, name, n, args, k) for k in range(args.rounds)]
+        # the median of each stage over the rounds (one round: its figures)
+        out[name] = {k: float(np.median([x[k] for x in rounds])) for k in rounds[0]}
+        out[name]["rounds"] = args.rounds
         print(f"{name:30s} {n} requests, µs per request: " + ", ".join(f"{k} {v:.0f}" for k, v in out[name].items()
-                                                                     if k != "decode_steps"),
+                                                                     if k not in ("decode_steps", "rounds")),
               flush=True)
     shutil.rmtree(shm, ignore_errors=True)
     if args.out:
