@@ -301,7 +301,9 @@ def _exactly(pos_np: np.ndarray, want: np.ndarray) -> bool:
 def _simple(plan: list[tuple]) -> bool:
     """Whether a plan reads each captured point once, and no head-sharded site."""
     got = _SIMPLE.get(id(plan))
-    if got is None:
+    if got is None or got[0] is not plan:
+        if len(_SIMPLE) >= 256:             # bounded, as `_PLANS` (the entry keeps its plan alive)
+            _SIMPLE.clear()
         got = _SIMPLE[id(plan)] = (plan, all(site not in ("q", "k", "attn_scores") for site, *_ in plan)
                                    and len({point for _, _, point, _, _ in plan}) == len(plan))
     return got[1]
