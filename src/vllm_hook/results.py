@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
 from . import __version__
-from .delivery.store import safetensors_metadata, st_bytes
+from .delivery.store import st_bytes, st_tensors
 from .delivery.hostmem import CHUNK_BYTES, copy_many, host_empty
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
@@ -122,7 +121,7 @@ class Results:
     @classmethod
     def from_bytes(cls, blob: bytes) -> "Results":
         """Inverse of `to_bytes`."""
-        return cls._from(st_load(blob), safetensors_metadata(blob), None)
+        return cls._from(*st_tensors(blob, _widened), None)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Results":
@@ -152,6 +151,13 @@ class Results:
             out.activations.setdefault(site, {})[int(layer)] = t
             out.positions.setdefault(site, {})[int(layer)] = tensors[f"{name}.positions"]
         return out
+
+
+def _widened(meta: dict, name: str) -> bool:
+    """Whether a loaded tensor is widened to float32: activations of a result sent in the
+    model's dtype (`Results.widen_to`), not positions, token ids or hook results."""
+    return (meta.get("widen_to") == "float32" and not name.endswith(".positions")
+            and not name.startswith("hook.") and name != "token_ids")
 
 
 def _loads(text: str, empty: type) -> Any:

@@ -626,3 +626,31 @@ def test_metadata_columns_round_trip():
     assert _metas({"rows": cols}) == metas
     assert _metas({"rows": _columns([{"k": 1, "v": 2}] * 2)}) == [{"k": 1, "v": 2}] * 2
     assert _metas({"rows": _columns([{}, {}])}) == [{}, {}]
+
+
+def test_safetensors_bytes_load_as_safetensors_loads_them():
+    """`st_tensors` (numpy views of one copy) gives what `safetensors.torch.load` gives, for
+    every dtype, empty, scalar and unaligned tensors; writable, and bfloat16 / float16 widened
+    to float32 exactly where asked."""
+    from safetensors.torch import load, save
+
+    from vllm_hook.delivery.store import st_tensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=g).bfloat16(), "b": torch.randn(7, generator=g).half(),
+               "c": torch.randn(2, 3, generator=g), "d": torch.arange(5), "e": torch.tensor(True),
+               "f": torch.zeros(0, 4).bfloat16(), "g": torch.arange(3, dtype=torch.int32),
+               "h": torch.randn(4, generator=g).double(), "i": torch.arange(9, dtype=torch.uint8),
+               "j": torch.tensor(2.5)}
+    blob = save(tensors, metadata={"k": "v"})
+    ref = load(blob)
+    got, meta = st_tensors(blob)
+    assert meta == {"k": "v"} and set(got) == set(ref)
+    for k, t in ref.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+    got["a"].mul_(2)                                  # writable, and nobody else's
+    assert torch.equal(load(blob)["a"], ref["a"])
+    wide, _ = st_tensors(blob, lambda m, name: name in ("a", "b", "f"))
+    for k in ("a", "b", "f"):
+        assert wide[k].dtype == torch.float32 and torch.equal(wide[k], ref[k].float())
+    assert wide["c"].dtype == torch.float32 and wide["d"].dtype == torch.int64

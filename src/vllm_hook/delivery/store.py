@@ -176,6 +176,39 @@ def st_bytes(tensors: dict[str, Any], metadata: dict[str, str] | None = None) ->
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
+# safetensors dtype -> numpy dtype of the same bytes (bfloat16 read as uint16, viewed after)
+_NP = {k: np.dtype(v) for k, v in {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+                                   "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+                                   "U8": np.uint8, "BOOL": np.bool_}.items()}
+
+
+def st_tensors(blob: bytes, widen: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Inverse of `st_bytes`: (tensors, metadata) of safetensors bytes, the header parsed once,
+    the tensors writable views of one copy of the data, through numpy (safetensors' Python
+    loader cost about 15 µs a tensor, most of a served result's decoding). `widen(metadata,
+    name)`: that tensor, when bfloat16 or float16, comes back as float32 (bfloat16 widened
+    exactly, by a shift of its bits). Dtypes numpy lacks go through safetensors."""
+    header, data = _header(blob)
+    meta = header.pop("__metadata__", None) or {}
+    if any(info["dtype"] not in _NP for info in header.values()):
+        from safetensors.torch import load
+        return load(bytes(blob)), meta
+    buf = np.frombuffer(bytearray(memoryview(blob)[data:]), dtype=np.uint8)    # one copy, writable
+    out = {}
+    for name, info in header.items():
+        start, end = info["data_offsets"]
+        code, shape = info["dtype"], info["shape"]
+        dt = _NP[code]
+        a = buf[start:end]
+        a = (a.view(dt) if start % dt.itemsize == 0 else a.copy().view(dt)).reshape(shape)   # aligned
+        if widen is not None and code in ("BF16", "F16") and widen(meta, name):
+            a = (a.astype(np.uint32) << 16).view(np.float32) if code == "BF16" else a.astype(np.float32)
+            out[name] = torch.from_numpy(a)
+        else:
+            t = torch.from_numpy(a)
+            out[name] = t.view(torch.bfloat16) if code == "BF16" else t
+    return out, meta
+
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`safetensors.torch.save` refuses tensors that share memory (layers of one capture group
