@@ -1,10 +1,11 @@
 """The plugin's host cost per request at admission and delivery, on the CPU (issue 17).
 
-    python benchmarks/host_cost.py [--requests 256] [--out FILE]
+    python benchmarks/host_cost.py [--requests 256] [--rounds 5] [--out FILE]
 
 No engine: the frontend's admission (parse and resolve, the resolution cache on and off), the
 worker's admission and finish (`HookRuntime.on_events`) and the delivery of a small capture
-(the worker's fetch into safetensors, the frontend's `Results` build), for a batch of
+(the worker's fetch into safetensors; the frontend's delivery as `attach` runs it, its read and
+`Results` build apart), `--rounds` batches through one worker (medians reported), for a batch of
 `--requests` requests on a 28-layer, 1536-wide model; with `--served`, also what a served
 response adds: the server's encoding of each request's results (`server.encode`) and the
 client's `Results.from_bytes`, for results built in float32 (as offline) and in the model's
