@@ -116,6 +116,26 @@ def test_requests_steering_alike_share_table_rows(llm):
     assert (s["ops_in_use"], s["vectors_in_use"]) == (0, 0), s
 
 
+def test_one_spec_object_is_keyed_once_per_generate_call(llm, monkeypatch):
+    """`LLM.generate` with one spec for many prompts pickles it for its cache key once per call
+    (issue 17: per-request cost); the same dict edited between calls steers as edited."""
+    from vllm_hook.frontend import admission
+
+    keyed = []
+    real = admission.cache_key
+    monkeypatch.setattr(admission, "cache_key", lambda raw: keyed.append(1) or real(raw))
+    ids = [ids_of(llm, p) for p in PROMPTS[:6]]
+    spec = {"steer": [{"op": "add", "layer": 1, "vector": vec(70).tolist(), "scale": 4.0}]}
+    first = [o.outputs[0].token_ids for o in run(llm, ids, sp(spec, max_tokens=4))]
+    assert len(keyed) == 1
+    spec["steer"][0]["scale"] = -4.0
+    second = [o.outputs[0].token_ids for o in run(llm, ids, sp(spec, max_tokens=4))]
+    assert len(keyed) == 2
+    fresh = json.loads(json.dumps(spec))
+    assert second == [o.outputs[0].token_ids for o in run(llm, ids, sp(fresh, max_tokens=4))]
+    assert second != first
+
+
 def test_large_captures_are_lent_from_the_workers_arena_and_released(llm):
     """A prompt's rows of 64 KiB and more land in the worker's shared arena (`delivery.arena`).
     A fetch offers the arena to a frontend that has not mapped it (the rows travel as bytes),

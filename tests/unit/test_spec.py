@@ -212,6 +212,41 @@ def test_sealed_spec_rides_through_vllms_copy_and_is_admitted_as_given():
     assert isinstance(wire, dict) and len(unpack_steer(wire["steer"])) == 4 and copy.extra_args["other"] == [1, 2]
 
 
+def test_one_spec_object_is_keyed_once_per_call(monkeypatch):
+    """Within one call that adds requests (`one_call`), a spec object passed for many prompts
+    is pickled for its cache key once; a dict edited between calls is keyed again, so the
+    edit takes effect; outside a call every request is keyed."""
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend import admission
+    from vllm_hook.frontend.state import STATE_ATTR, FrontendState
+    from vllm_hook.model.layout import PointTable
+
+    st = FrontendState(cfg=CFG, info=INFO, points=PointTable.for_config(4, CFG), max_model_len=64)
+    st.names["v"] = ("d" * 32, 2.0)
+    ip = SimpleNamespace()
+    ip.__dict__[STATE_ATTR] = st
+    keyed = []
+    monkeypatch.setattr(admission, "cache_key", lambda raw: keyed.append(raw) or (repr(raw), []))
+
+    def add(spec, rid):
+        r = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"vllm_hook": admission.Sealed(spec)},
+                                                            skip_reading_prefix_cache=False),
+                            prompt_token_ids=list(range(10)), cache_salt=None)
+        admission._admit(ip, rid, r)
+        return unpack_steer(r.sampling_params.extra_args["vllm_hook"]["steer"])[0]["layer"]
+
+    spec = {"steer": [{"op": "add", "layer": 1, "vector": "v", "scale": 2.0}]}
+    with admission.one_call():
+        assert [add(spec, str(i)) for i in range(5)] == [1] * 5
+    assert len(keyed) == 1
+    spec["steer"][0]["layer"] = 2                       # edited between calls
+    with admission.one_call():
+        assert [add(spec, f"b{i}") for i in range(3)] == [2] * 3
+    assert len(keyed) == 2
+    assert add(spec, "c0") == 2 and add(spec, "c1") == 2 and len(keyed) == 4
+
+
 def test_size_bounds_keep_the_check_short():
     """What bounds the time one spec's check takes in the API server's event loop."""
     from vllm_hook.spec.resolve import MAX_CAPTURE_ENTRIES
