@@ -58,7 +58,7 @@ def sealed(params: Any) -> Iterator[None]:
 # While one `LLM.generate` call adds its requests (`one_call`): spec objects already keyed,
 # by identity. vLLM deep-copies each request's params, but `sealed` passes the caller's spec
 # object through: one passed for many prompts is pickled for its cache key once per call,
-# not per request (a 28-op spec: 4 µs a request on the CI machine, 8 to 17 on the H200 host).
+# not per request (a 28-op spec's admission 22 -> 7 µs a request on the CI machine).
 _CALL_KEYS: ContextVar[dict | None] = ContextVar("vllm_hook_call_keys", default=None)
 MAX_CALL_KEYS = 64
 
