@@ -108,6 +108,8 @@ def main() -> None:
         specs = [python_hooks(s) for s in (cmd.get("specs") or [None] * n)]
         sps = [SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True, logprobs=cmd.get("logprobs"),
                               extra_args={"vllm_hook": s} if (s and hook) else None) for s in specs]
+        if cmd.get("one_params") and all(s == specs[0] for s in specs):
+            sps = sps[0]        # one SamplingParams (one spec object) for every prompt, as users pass it
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         steps.clear()
         t, g = time.perf_counter(), gc_s[0]

@@ -39,9 +39,12 @@ STAGES = {  # counter (frontend or worker timing) -> stage name
     "frontend.build_s": "Results build"}
 
 
+ONE_PARAMS = {"on": False}       # --one-params
+
+
 def timed(w, n, plen, gen, specs, seed):
     r = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": gen, "specs": specs, "reps": 1,
-                "seed0": seed}, timeout=1800)
+                "seed0": seed, "one_params": ONE_PARAMS["on"]}, timeout=1800)
     return r["times"][0], r["gc_s"][0]
 
 
@@ -139,9 +142,13 @@ def main() -> None:
                     help="torch.set_num_threads in every engine's frontend process after start-up")
     ap.add_argument("--no-warmup", action="store_true",
                     help="measure from the engine's first hooked batch (default: one untimed batch per workload first)")
+    ap.add_argument("--one-params", action="store_true",
+                    help="a batch whose requests share one spec gets one SamplingParams for every prompt, as "
+                    "users pass it (default: one per request, each with its own spec object, as served)")
     ap.add_argument("--gpu-mem", type=float, default=0.35)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     args = ap.parse_args()
+    ONE_PARAMS["on"] = args.one_params
     out = Path(args.out)
     model, base = model_and_base(args, max_num_seqs=256, smoke_kv_bytes=256 << 20)
     big = (32, 512)

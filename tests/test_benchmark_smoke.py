@@ -43,7 +43,9 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
     """benchmarks/throughput.py and extract_speed.py (issue 17) and hooks_gpu.py (issue 16) on
     the tiny model."""
     engines.close()
-    for script, extra in (("throughput.py", ["--workloads", "unused", "steer_add_all_layers", "mixed_thirds"]),
+    # --one-params: the uniform workloads as users pass them (one SamplingParams), mixed as before
+    for script, extra in (("throughput.py", ["--workloads", "unused", "steer_add_all_layers", "mixed_thirds",
+                                             "--one-params"]),
                           ("hooks_gpu.py", []), ("extract_speed.py", [])):
         out = tmp_path / script
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],

@@ -178,6 +178,15 @@ def test_resolution_cache_one_resolve_per_distinct_spec():
 
     from vllm_hook.frontend.cache import cache_key
     assert cache_key({"steer": [{"op": "add", "layer": 0, "vector": torch.ones(8)}]}) == (None, [])
+    # Its pickler is reused: equal content, equal key, after a refusal or a large spec too;
+    # different content (an int where a float was, another order), another key.
+    a = {"steer": [{"op": "add", "layer": 0, "vector": "v", "scale": 1.0}]}
+    key = cache_key(a)[0]
+    assert key is not None and cache_key(json.loads(json.dumps(a)))[0] == key
+    assert cache_key({"x": "y" * (1 << 17)}) == (None, [])
+    assert cache_key(json.loads(json.dumps(a)))[0] == key
+    assert cache_key({"steer": [{"op": "add", "layer": 0, "vector": "v", "scale": 1}]})[0] != key
+    assert cache_key({"steer": [{"layer": 0, "op": "add", "vector": "v", "scale": 1.0}]})[0] != key
 
 
 def test_sealed_spec_rides_through_vllms_copy_and_is_admitted_as_given():

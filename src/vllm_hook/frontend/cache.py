@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -57,14 +58,30 @@ def cache_key(raw: Any) -> tuple[Any, list]:
     (and a dict's key order is kept by the copy)."""
     if isinstance(raw, (str, bytes)):
         return (raw, []) if len(raw) <= MAX_KEY_BYTES else (None, [])
+    got = getattr(_LOCAL, "pickler", None)
+    if got is None:                  # one per thread, reused: making one was a third of a key
+        buf = io.BytesIO()
+        got = _LOCAL.pickler = (buf, _KeyPickler(buf, []))
+    buf, p = got
+    buf.seek(0)
+    buf.truncate()
     keep: list = []
-    buf = io.BytesIO()
+    p.keep = keep
     try:
-        _KeyPickler(buf, keep).dump(raw)
+        p.dump(raw)
     except (_NotCacheable, pickle.PicklingError, TypeError, ValueError, AttributeError, RecursionError):
+        _LOCAL.pickler = None        # a fresh one next time, whatever state this one is in
         return None, []
+    finally:
+        p.clear_memo()               # the memo holds the objects it pickled
     key = buf.getvalue()
-    return (key, keep) if len(key) <= MAX_KEY_BYTES else (None, [])
+    if len(key) > MAX_KEY_BYTES:
+        _LOCAL.pickler = None        # nor is its buffer kept at that size
+        return None, []
+    return key, keep
+
+
+_LOCAL = threading.local()
 
 
 class ResolvedCache:
