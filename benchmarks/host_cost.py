@@ -34,7 +34,8 @@ from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView  # noq
 from vllm_hook.config import HookConfig  # noqa: E402
 from vllm_hook.delivery.arena import FRONTEND as ARENAS  # noqa: E402
 from vllm_hook.delivery.spill import open_entry, spill_target, write_spilled  # noqa: E402
-from vllm_hook.frontend.admission import Sealed, _admit, one_call  # noqa: E402
+from vllm_hook.frontend.admission import Sealed, _admit  # noqa: E402
+from vllm_hook.frontend.cache import one_call  # noqa: E402
 from vllm_hook.frontend.delivery import Opened, _attach_all, merge_ranks, no_gc  # noqa: E402
 from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
 from vllm_hook.model.buffers import BufferShape, HookBuffers  # noqa: E402
@@ -69,7 +70,7 @@ def admit_batch(ip, spec: dict, n: int, cache: bool, one_object: bool = False) -
     """Seconds per request of the frontend's admission of `n` requests of `spec`: each its own
     copy of it (served: one parsed body per HTTP request), or with `one_object` the one
     object offline `LLM.generate` passes through for every prompt (`admission.Sealed`) in
-    one call (`admission.one_call`)."""
+    one call (`cache.one_call`)."""
     st = ip.__dict__[STATE_ATTR]
     st.resolved.clear()
     shared = Sealed(json.loads(json.dumps(spec)))

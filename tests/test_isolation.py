@@ -119,11 +119,11 @@ def test_requests_steering_alike_share_table_rows(llm):
 def test_one_spec_object_is_keyed_once_per_generate_call(llm, monkeypatch):
     """`LLM.generate` with one spec for many prompts pickles it for its cache key once per call
     (issue 17: per-request cost); the same dict edited between calls steers as edited."""
-    from vllm_hook.frontend import admission
+    from vllm_hook.frontend import cache
 
     keyed = []
-    real = admission.cache_key
-    monkeypatch.setattr(admission, "cache_key", lambda raw: keyed.append(1) or real(raw))
+    real = cache.cache_key
+    monkeypatch.setattr(cache, "cache_key", lambda raw: keyed.append(1) or real(raw))
     ids = [ids_of(llm, p) for p in PROMPTS[:6]]
     spec = {"steer": [{"op": "add", "layer": 1, "vector": vec(70).tolist(), "scale": 4.0}]}
     first = [o.outputs[0].token_ids for o in run(llm, ids, sp(spec, max_tokens=4))]

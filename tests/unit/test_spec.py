@@ -227,7 +227,7 @@ def test_one_spec_object_is_keyed_once_per_call(monkeypatch):
     edit takes effect; outside a call every request is keyed."""
     from types import SimpleNamespace
 
-    from vllm_hook.frontend import admission
+    from vllm_hook.frontend import admission, cache
     from vllm_hook.frontend.state import STATE_ATTR, FrontendState
     from vllm_hook.model.layout import PointTable
 
@@ -236,7 +236,7 @@ def test_one_spec_object_is_keyed_once_per_call(monkeypatch):
     ip = SimpleNamespace()
     ip.__dict__[STATE_ATTR] = st
     keyed = []
-    monkeypatch.setattr(admission, "cache_key", lambda raw: keyed.append(raw) or (repr(raw), []))
+    monkeypatch.setattr(cache, "cache_key", lambda raw: keyed.append(raw) or (repr(raw), []))
 
     def add(spec, rid):
         r = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"vllm_hook": admission.Sealed(spec)},
@@ -246,11 +246,11 @@ def test_one_spec_object_is_keyed_once_per_call(monkeypatch):
         return unpack_steer(r.sampling_params.extra_args["vllm_hook"]["steer"])[0]["layer"]
 
     spec = {"steer": [{"op": "add", "layer": 1, "vector": "v", "scale": 2.0}]}
-    with admission.one_call():
+    with cache.one_call():
         assert [add(spec, str(i)) for i in range(5)] == [1] * 5
     assert len(keyed) == 1
     spec["steer"][0]["layer"] = 2                       # edited between calls
-    with admission.one_call():
+    with cache.one_call():
         assert [add(spec, f"b{i}") for i in range(3)] == [2] * 3
     assert len(keyed) == 2
     assert add(spec, "c0") == 2 and add(spec, "c1") == 2 and len(keyed) == 4

@@ -94,8 +94,8 @@ def _process_inputs(orig):
 
 def _render_and_add(orig):
     """Counts the prompts of one call, so a spec error can name the bad one; a spec object
-    passed for many prompts is keyed once in the call (`admission.one_call`)."""
-    from ..frontend.admission import one_call
+    passed for many prompts is keyed once in the call (`frontend.cache.one_call`)."""
+    from ..frontend.cache import one_call
 
     def render_and_add_requests(self, *args, **kwargs):
         self.__dict__[PROMPT_INDEX] = 0

@@ -10,7 +10,6 @@ import dataclasses
 import time
 import uuid
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any, Iterator
 
 from ..adapters.requests import add_cache_salt, params_of, prompt_len_of
@@ -18,7 +17,7 @@ from ..spec.errors import SpecError
 from ..spec.lens import has_lens_args, translate
 from ..spec.resolve import capture_bytes, resolve
 from ..spec.schema import SPEC_KEY, parse_spec
-from .cache import cache_key
+from .cache import call_key
 from .state import allow_pickles, maybe_state, state_of
 
 
@@ -53,39 +52,6 @@ def sealed(params: Any) -> Iterator[None]:
         yield
     finally:
         params.extra_args = extra
-
-
-# While one `LLM.generate` call adds its requests (`one_call`): spec objects already keyed,
-# by identity. vLLM deep-copies each request's params, but `sealed` passes the caller's spec
-# object through: one passed for many prompts is pickled for its cache key once per call,
-# not per request (a 28-op spec's admission 22 -> 7 µs a request on the CI machine).
-_CALL_KEYS: ContextVar[dict | None] = ContextVar("vllm_hook_call_keys", default=None)
-MAX_CALL_KEYS = 64
-
-
-@contextmanager
-def one_call() -> Iterator[None]:
-    """Around one call that adds requests: a spec object cannot change within it (the caller
-    is inside vLLM), so its key is computed once. Between calls it may (a loop editing one
-    dict): the memo goes with the call."""
-    token = _CALL_KEYS.set({})
-    try:
-        yield
-    finally:
-        _CALL_KEYS.reset(token)
-
-
-def _key_of(raw: Any) -> tuple[Any, list]:
-    """`cache_key(raw)`, once per spec object and call where `one_call` is active."""
-    memo = _CALL_KEYS.get()
-    if memo is None or isinstance(raw, (str, bytes)):
-        return cache_key(raw)
-    got = memo.get(id(raw))
-    if got is None or got[0] is not raw:          # held in the memo: its id is not reused
-        got = (raw, *cache_key(raw))
-        if len(memo) < MAX_CALL_KEYS:
-            memo[id(raw)] = got
-    return got[1], got[2]
 
 
 def _hooked(request: Any, sp: Any) -> None:
@@ -140,7 +106,7 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
         return
     st = state_of(input_processor)
     raw = extra[SPEC_KEY]
-    cache, keep = _key_of(raw)
+    cache, keep = call_key(raw)
     spec = st.resolved.spec(cache) if cache is not None else None
     if spec is None:
         spec = parse_spec(raw)
