@@ -36,7 +36,7 @@ from vllm_hook.delivery.arena import FRONTEND as ARENAS  # noqa: E402
 from vllm_hook.delivery.spill import open_entry, spill_target, write_spilled  # noqa: E402
 from vllm_hook.frontend.admission import Sealed, _admit  # noqa: E402
 from vllm_hook.frontend.cache import one_call  # noqa: E402
-from vllm_hook.frontend.delivery import Opened, _attach_all, merge_ranks, no_gc  # noqa: E402
+from vllm_hook.frontend.delivery import Opened, _attach_all, merge_ranks, no_gc, nothing_to_fetch  # noqa: E402
 from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
 from vllm_hook.model.buffers import BufferShape, HookBuffers  # noqa: E402
 from vllm_hook.model.layout import PointTable  # noqa: E402
@@ -116,7 +116,7 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
     for label, dtype, widen in (("float32", "float32", None), ("wire", "model", "float32")):
         built, t = [], time.perf_counter()
         for k in keys:
-            r = build([opened.part(e, dtype) for e in fetched[k]], items, points, request_id="r", prompt_token_ids=list(range(P)),
+            r = build([opened.part(e, dtype) for e in fetched.get(k, [])], items, points, request_id="r", prompt_token_ids=list(range(P)),
                       output_token_ids=gen, dtype=dtype)
             r.widen_to = widen
             built.append(r)
@@ -165,22 +165,27 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
         # fetch of a process writes a fresh one): make one as large as this payload.
         open_entry({"path": write_spilled({"x": torch.empty(stored + (1 << 20), dtype=torch.uint8)}, {},
                                           spill["dir"])})
-    # The frontend has mapped the worker's arena (an engine's first fetch offers it).
+    # The frontend has mapped the worker's arena (an engine's first fetch offers it and
+    # names it: where clean marks are read).
     arenas = ()
+    st = ip.__dict__[STATE_ATTR]
     if rt.collector is not None and rt.collector.arena is not None:
         ARENAS.adopt(rt.collector.arena.offer())
         arenas = ARENAS.tokens()
-    t = time.perf_counter()
-    fetched = merge_ranks([rt.fetch(keys, spill, arenas)])
-    t_fetch = (time.perf_counter() - t) / n
-    st = ip.__dict__[STATE_ATTR]
+        st.arena_tokens = (rt.collector.arena.token.hex(),)
     items = st.pending["0"][1].items          # request 0 of the batch, as admitted
     gen = list(range(1, args.decode_steps + 1))
-    # The frontend's delivery as `attach` runs it once the RPC is back: each output's
-    # parts read and its Results built and attached (read and build split by its counters).
     outputs = [SimpleNamespace(request_id=str(i), prompt_token_ids=list(range(P)), finished=True,
                                outputs=[SimpleNamespace(index=0, token_ids=list(gen))]) for i in range(n)]
     todo = [(o, st.pop_pending(o.request_id)) for o in outputs]
+    # As `attach`: requests their worker marked clean (steering only, once a fetch has named
+    # the worker's arena: from the second round on) are not fetched; the others in one RPC.
+    t = time.perf_counter()
+    fetch_keys = [r.key for _, r in todo if not nothing_to_fetch(st, r)]
+    fetched = merge_ranks([rt.fetch(fetch_keys, spill, arenas)], st) if fetch_keys else {}
+    t_fetch = (time.perf_counter() - t) / n
+    # The frontend's delivery as `attach` runs it once the RPC is back: each output's
+    # parts read and its Results built and attached (read and build split by its counters).
     st.timing["read_s"] = st.timing["build_s"] = 0.0
     with no_gc():                          # as the frontend's delivery does
         t, opened = time.perf_counter(), Opened()
@@ -195,7 +200,7 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
             "frontend_admit_offline_us": 1e6 * offline,
             "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
             "worker_decode_routing_us": 1e6 * t_decode, "worker_finish_us": 1e6 * t_finish,
-            "worker_fetch_us": 1e6 * t_fetch, "frontend_read_us": 1e6 * t_read,
+            "worker_fetch_us": 1e6 * t_fetch, "fetched_pct": 100 * len(fetch_keys) / n, "frontend_read_us": 1e6 * t_read,
             "frontend_build_us": 1e6 * t_build, "frontend_attach_us": 1e6 * t_attach, **served}
 
 

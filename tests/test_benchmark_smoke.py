@@ -95,3 +95,5 @@ def test_host_cost_microbenchmark_smoke(tmp_path):
     # Served results travel in the model's dtype: half the bytes of float32 for the captures.
     cap = r["capture_all_tokens_4_layers"]
     assert cap["served_bytes_wire"] < 0.6 * cap["served_bytes_float32"]
+    # Steering only: marked clean by the worker, delivered without a fetch; captures fetched.
+    assert r["steer_add_all_layers"]["fetched_pct"] == 0 and cap["fetched_pct"] == 100

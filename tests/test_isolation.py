@@ -136,6 +136,48 @@ def test_one_spec_object_is_keyed_once_per_generate_call(llm, monkeypatch):
     assert second != first
 
 
+def test_steering_only_requests_are_delivered_without_a_fetch(llm):
+    """Issue 17: a steering-only request has nothing to fetch unless a worker failed it. Its
+    worker marks it clean in the arena the frontend has mapped (`delivery.arena`, clean
+    marks), and the frontend delivers it with no fetch RPC. One that fails on the worker (a
+    vector deleted after admission, before it ran) is still fetched, with its error, beside
+    clean ones; the workers forget them all at their next step."""
+    from vllm_hook.frontend.delivery import attach
+    from vllm_hook.frontend.state import state_of
+
+    ids = [ids_of(llm, p) for p in PROMPTS[:4]]
+    steer = {"steer": [{"op": "add", "layer": 1, "vector": vec(71).tolist(), "scale": 4.0}]}
+    run(llm, ids[:1], [sp({"capture": [{"layers": [0]}]}, max_tokens=2)])   # a fetch maps the arena
+    before = vllm_hook.stats(llm)["frontend"]
+    outs = run(llm, ids, sp(steer, max_tokens=4))
+    after = vllm_hook.stats(llm)["frontend"]
+    assert all(res(o).ok and res(o).token_ids == i + list(o.outputs[0].token_ids) for o, i in zip(outs, ids))
+    assert after["fetches"] == before["fetches"]
+    assert after["delivered_without_fetch"] == before["delivered_without_fetch"] + 4
+    assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in run(llm, ids, sp(None, max_tokens=4))]
+
+    eng = llm.llm_engine
+    vllm_hook.register_vectors(llm, {"fleeting": vec(91)})
+    named = sp({"steer": [{"op": "add", "layer": 1, "vector": "fleeting", "scale": 4.0}]}, max_tokens=4)
+    eng.add_request("clean-1", {"prompt_token_ids": ids[0]}, sp(steer, max_tokens=4))
+    eng.add_request("fleeting-2", {"prompt_token_ids": ids[1]}, named)
+    eng.add_request("clean-3", {"prompt_token_ids": ids[2]}, sp(steer, max_tokens=4))
+    vllm_hook.delete_vectors(llm, ["fleeting"])
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    before = vllm_hook.stats(llm)["frontend"]
+    attach(state_of(eng.input_processor), done, llm.collective_rpc)
+    after = vllm_hook.stats(llm)["frontend"]
+    got = {o.request_id: vllm_hook.results(o, strict=False) for o in done}
+    assert got["clean-1"].ok and got["clean-3"].ok
+    assert any("not registered" in e for e in got["fleeting-2"].errors), got["fleeting-2"].errors
+    assert (after["fetches"] - before["fetches"], after["delivered_without_fetch"] - before["delivered_without_fetch"]) == (1, 2)
+    run(llm, ids[:1], sp(None, max_tokens=1))          # the workers hear of the finishes
+    s = vllm_hook.stats(llm)
+    assert (s["admitted"], s["active"], s["results_waiting"], s["vectors_in_use"], s["ops_in_use"]) == (0, 0, 0, 0, 0), s
+
+
 def test_large_captures_are_lent_from_the_workers_arena_and_released(llm):
     """A prompt's rows of 64 KiB and more land in the worker's shared arena (`delivery.arena`).
     A fetch offers the arena to a frontend that has not mapped it (the rows travel as bytes),

@@ -276,6 +276,21 @@ def test_requests_finishing_together_share_one_fetch(server, client, refs):
     assert fetches <= 3, f"{fetches} fetch RPCs for 32 requests"
 
 
+def test_steering_only_requests_need_no_fetch(server, client, refs):
+    """Served steering-only requests whose workers marked them clean (`delivery.arena`) come
+    back with no fetch RPC, steered as the same steering with a capture beside it."""
+    ids, spec, n = CASES["steer_add"]
+    tokens, _ = refs["steer_add"]
+    client.generate(*CASES["capture_last_prompt"][:2], max_tokens=1)    # a fetch maps the arena
+    before = client.health()["frontend"]
+    outs = [client.generate(ids, {"steer": spec["steer"]}, max_tokens=n, temperature=0) for _ in range(3)]
+    after = client.health()["frontend"]
+    for out in outs:
+        assert out.token_ids == tokens and out.results.ok and out.results.token_ids == ids + tokens
+    assert after["fetches"] == before["fetches"]
+    assert after["delivered_without_fetch"] == before["delivered_without_fetch"] + 3
+
+
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_streamed_request_gets_results(server, refs, route):
     openai = pytest.importorskip("openai")

@@ -284,6 +284,38 @@ def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go(monke
     assert torch.equal(got[1][0][2][1], torch.ones(1, 128))
 
 
+def test_clean_marks_say_fetch_unless_every_rank_marked_the_ticket():
+    """A steering-only request skips the fetch only when each rank's arena holds its ticket:
+    anything else (unmapped, another ticket, withdrawn by an error, a rank without an arena)
+    means fetch."""
+    from vllm_hook.delivery import arena as A
+    from vllm_hook.worker.runtime import Errors
+
+    r0, r1 = A.Arena(1 << 20, torch.device("cpu")), A.Arena(1 << 20, torch.device("cpu"))
+    front = A.FrontendArenas()
+    both = (r0.token.hex(), r1.token.hex())
+    t, other = (7 << 32) | 5, (7 << 32) | 5 + A.MARKS        # one slot, two requests
+    r0.mark_clean(t)
+    r1.mark_clean(t)
+    assert not front.clean(both, t)                           # not mapped yet
+    front.adopt(r0.offer())
+    assert not front.clean(both, t) and front.clean(both[:1], t)
+    front.adopt(r1.offer())
+    assert front.clean(both, t) and not front.clean(both, other) and not front.clean(both, 0)
+    assert not front.clean((), t) and not front.clean((both[0], None), t)
+    r1.mark_clean(other)                                       # the slot's next request
+    assert not front.clean(both, t) and not front.clean(both, other)
+    r0.mark_clean(other)
+    assert front.clean(both, other)
+    r1.unmark(t)                                               # a stale error: not its ticket
+    assert front.clean(both, other)
+    errors = Errors()
+    errors.unmark = lambda: r1.unmark(other)
+    errors.append("steering not applied: vector table full")
+    assert not front.clean(both, other) and list(errors) == ["steering not applied: vector table full"]
+    assert A.MARKS_OFFSET % 8 == 0 and A.MARKS_OFFSET + 8 * A.MARKS <= A.HEADER
+
+
 def test_frontend_maps_only_an_arena_it_can_verify():
     from vllm_hook.delivery import arena as A
 
@@ -382,7 +414,7 @@ def test_offline_fetch_pauses_the_collector_from_the_rpc_on():
         seen.append((args[0], gc.isenabled()))
         raise RuntimeError("worker gone")
 
-    res = SimpleNamespace(key="k0")
+    res = SimpleNamespace(key="k0", ticket=0)
     st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), timing={"fetch_rpc_s": 0.0, "fetches": 0},
                          pop_pending=lambda rid: res if rid == "r0" else None)
     out = SimpleNamespace(request_id="r0", finished=True, prompt_token_ids=[1, 2],

@@ -164,8 +164,11 @@ def test_resolution_cache_one_resolve_per_distinct_spec():
         _admit(ip, str(i), r)
     wa, wb, wc = (r.sampling_params.extra_args["vllm_hook"] for r in (a, b, c))
     assert st.resolved.hits == 1                            # b; c has another prompt length
-    assert wa["key"] != wb["key"] and {k: v for k, v in wa.items() if k != "key"} == \
-        {k: v for k, v in wb.items() if k != "key"}
+    # Each its own key and steering-only ticket (its clean mark, delivery.arena); else equal.
+    assert wa["key"] != wb["key"] and wa["t"] != wb["t"] and {k: v for k, v in wa.items() if k not in ("key", "t")} == \
+        {k: v for k, v in wb.items() if k not in ("key", "t")}
+    kept = [r for r, _ in st.resolved._resolved.values()]
+    assert all("t" not in r.wire and not r.ticket for r in kept)      # no request's own
     assert unpack_steer(wc["steer"])[0]["pos"] == [11] and unpack_steer(wa["steer"])[0]["pos"] == [9]
     assert a.cache_salt == b.cache_salt                     # same steering: the same prefix-cache salt
     st.names["v"] = ("e" * 32, 2.0)

@@ -25,7 +25,7 @@ from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
-from ..frontend.delivery import FetchBatcher, delivered, failed, no_gc, results_for
+from ..frontend.delivery import FetchBatcher, delivered, failed, no_gc, nothing_to_fetch, results_for
 from ..frontend.state import FrontendState, maybe_state, state_of
 from ..results import ATTR, Results
 from ..server import encode
@@ -104,6 +104,9 @@ async def _fetch(engine: Any, request_id: str, view: Any, wire: bool) -> Results
     if item is None:
         return None
     res = item[1]
+    if nothing_to_fetch(st, res):
+        st.pop_pending(request_id)
+        return results_for(st, view, [], res, wire=wire)
     try:
         entries, opened = await _batcher(engine, st).entries(res.key)
         # Forgotten only now: if the client goes away during the fetch, the abort that

@@ -19,6 +19,14 @@ a user keeps hold their step's whole block; when the arena is full, steps use th
 copied path as before (nothing is lost, it is only slower). A reply lost between the processes
 keeps its pieces out until the worker exits.
 
+Clean marks. The header also holds a word per request slot (`MARKS`) that lets a served or
+offline frontend deliver a steering-only request without a fetch RPC: the frontend gives such
+a request a ticket (a slot and a tag unique to it); the worker writes the tag into the slot
+once it has admitted the request cleanly, and zeroes it at the request's first error. A
+finished request whose tag is still in its slot on every rank has nothing to fetch. Anything
+else (another request's tag, zero, an arena the frontend has not mapped) means "fetch", as
+before: a wrong answer can only cost an RPC, never an error.
+
 Who may map it: the frontend opens `/proc/{pid}/fd/{fd}` of the worker (the file has no
 name, so nothing is left behind when a process dies) after checking the host's boot id, and
 checks the arena's random token. A worker lends pieces only to a frontend that says it has
@@ -47,7 +55,9 @@ log = logging.getLogger("vllm_hook")
 ALIGN = 4096
 TOKEN_BYTES = 16
 SLOTS = 1 << 16                       # pieces lent at once, at most: one flag byte each
-HEADER = -(-(TOKEN_BYTES + SLOTS) // ALIGN) * ALIGN
+MARKS = 1 << 13                       # clean marks: one uint64 per request slot
+MARKS_OFFSET = TOKEN_BYTES + SLOTS    # 8-byte aligned
+HEADER = -(-(MARKS_OFFSET + 8 * MARKS) // ALIGN) * ALIGN
 MIN_BLOCK_BYTES = 64 << 10           # smaller steps are copied (their rows get packed anyway)
 HELD, FREE = 1, 0
 
@@ -73,6 +83,7 @@ class Arena:
             raise
         self._map[:TOKEN_BYTES] = self.token
         self.flags = np.frombuffer(self._map, dtype=np.uint8, count=SLOTS, offset=TOKEN_BYTES)
+        self.marks = np.frombuffer(self._map, dtype=np.uint64, count=MARKS, offset=MARKS_OFFSET)
         self._ptr = np.frombuffer(self._map, dtype=np.uint8, count=1).__array_interface__["data"][0]
         # On a device every page exists from the start (fallocate): the frontend may map them
         # all in the background (`FrontendArenas.adopt`); on the CPU that would allocate them.
@@ -248,6 +259,16 @@ class Arena:
                 self._maybe_free(off, block)
         return len(done)
 
+    # ---- clean marks -----------------------------------------------------------------------
+    def mark_clean(self, ticket: int) -> None:
+        """The request with `ticket` is admitted and has no error (so far)."""
+        self.marks[ticket % MARKS] = ticket
+
+    def unmark(self, ticket: int) -> None:
+        """The request with `ticket` has an error: its frontend must fetch it."""
+        if self.marks[ticket % MARKS] == ticket:
+            self.marks[ticket % MARKS] = 0
+
     def offer(self) -> dict:
         """What a frontend needs to map the arena (and to know it is on the same host)."""
         return {"pid": os.getpid(), "fd": self.fd, "token": self.token.hex(), "size": self.size,
@@ -320,6 +341,7 @@ class FrontendArenas:
 
     def __init__(self):
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray, str, tuple[int, int]]] = {}
+        self._marks: dict[str, np.ndarray] = {}
         self._refused: set[str] = set()
         self._pieces: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -335,6 +357,7 @@ class FrontendArenas:
                 alive = False
             if not alive:
                 del self._maps[token]
+                self._marks.pop(token, None)
         return list(self._maps)
 
     def adopt(self, offer: dict | None) -> None:
@@ -372,6 +395,18 @@ class FrontendArenas:
             return
         self._maps[token] = (m, np.frombuffer(m, dtype=np.uint8, count=SLOTS, offset=TOKEN_BYTES),
                              path, (st.st_dev, st.st_ino))
+        self._marks[token] = np.frombuffer(m, dtype=np.uint64, count=MARKS, offset=MARKS_OFFSET)
+
+    def clean(self, tokens: "tuple[str | None, ...]", ticket: int) -> bool:
+        """Whether the request with `ticket` is marked clean in the arena of every rank
+        (`tokens`: each rank's arena, from the last fetch; None: a rank without one)."""
+        if not tokens or not ticket:
+            return False
+        for token in tokens:
+            marks = self._marks.get(token) if token is not None else None
+            if marks is None or int(marks[ticket % MARKS]) != ticket:
+                return False
+        return True
 
     def view(self, ref: dict) -> "torch.Tensor | list":
         """The lent piece `ref` as a tensor (writable: the caller's to keep); released to the

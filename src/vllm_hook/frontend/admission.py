@@ -124,11 +124,14 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
         res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len,
                       allow_pickles=allow_pickles(st))
         if cache is not None:
-            st.resolved.put(cache, prompt_len, res, keep)
+            res = st.resolved.put(cache, prompt_len, res, keep)
     if stack is not None:
         res = dataclasses.replace(res, stack_layers=tuple(stack))
     if res.items:
         _check_capture_bytes(st, res, prompt_len, sp)
+    elif not res.hooks and not st.persistent_hooks:
+        # Steering only: delivered without a fetch if its workers mark it clean.
+        res.ticket = res.wire["t"] = st.next_ticket()
     sp.extra_args = {**rest, SPEC_KEY: res.wire}
     if res.steer_digest:
         # A steered request must never reuse KV computed under other steering (or none).

@@ -118,6 +118,16 @@ def call_key(raw: Any) -> tuple[Any, list]:
     return got[1], got[2]
 
 
+def own_copy(res: Resolved) -> Resolved:
+    """A request's own Resolved: a new key, a wire dict of its own; items and worst_bytes
+    shared. A shallow copy made by hand: copy.copy of a dataclass goes through
+    __reduce_ex__, 10 µs a request."""
+    out = object.__new__(Resolved)
+    key = os.urandom(16).hex()
+    out.__dict__ = {**res.__dict__, "key": key, "wire": {**res.wire, "key": key}}
+    return out
+
+
 class ResolvedCache:
     def __init__(self, max_entries: int = MAX_ENTRIES):
         self.max_entries = max_entries
@@ -137,22 +147,20 @@ class ResolvedCache:
             self._specs.popitem(last=False)
 
     def get(self, key: str, prompt_len: int) -> Resolved | None:
+        """A copy of the resolution kept for (spec, prompt length), with a key of its own."""
         got = self._resolved.get((key, prompt_len))
         if got is None:
             return None
         self._resolved.move_to_end((key, prompt_len))
         self.hits += 1
-        # A shallow copy (items and worst_bytes stay shared), made by hand: copy.copy of a
-        # dataclass goes through __reduce_ex__, 10 µs a request.
-        res = object.__new__(Resolved)
-        key = os.urandom(16).hex()
-        res.__dict__ = {**got[0].__dict__, "key": key, "wire": {**got[0].wire, "key": key}}
-        return res
+        return own_copy(got[0])
 
-    def put(self, key: str, prompt_len: int, res: Resolved, keep: list) -> None:
+    def put(self, key: str, prompt_len: int, res: Resolved, keep: list) -> Resolved:
+        """Keep `res`; the request that resolved it gets a copy (the kept one is never a request's)."""
         self._resolved[(key, prompt_len)] = (res, keep)
         while len(self._resolved) > self.max_entries:
             self._resolved.popitem(last=False)
+        return own_copy(res)
 
     def clear(self) -> None:
         self._specs.clear()

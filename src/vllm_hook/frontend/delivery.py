@@ -49,9 +49,12 @@ def count_rpc(st: FrontendState, replies: Sequence[Any], sent: float) -> None:
         st.timing["rpc_back_s"] = st.timing.get("rpc_back_s", 0.0) + got - ran[1]
 
 
-def merge_ranks(replies: Sequence[Any]) -> dict[str, list[dict]]:
+def merge_ranks(replies: Sequence[Any], st: FrontendState | None = None) -> dict[str, list[dict]]:
     """collective_rpc returns one reply per worker (TP rank): rank 0 has the residual stream,
-    every rank its shard of the attention heads. Each entry refers to its rank's payload."""
+    every rank its shard of the attention heads. Each entry refers to its rank's payload.
+    `st`: notes each rank's arena, where later requests' clean marks are read."""
+    if st is not None:
+        st.arena_tokens = tuple(r.get("arena_token") if isinstance(r, dict) else None for r in replies)
     merged: dict[str, list[dict]] = {}
     for reply in replies:
         if isinstance(reply, dict):
@@ -147,18 +150,30 @@ def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
     return built[0] if n == 1 else built
 
 
+def nothing_to_fetch(st: FrontendState, res) -> bool:
+    """A steering-only request every rank has marked clean: its results are its tokens. Any
+    other (captures, hooks, an error on a worker, an arena not mapped yet) is fetched: a
+    worker-side failure (a full vector table, a vector deleted before it ran) must reach it."""
+    if res.ticket and ARENAS.clean(st.arena_tokens, res.ticket):
+        st.timing["delivered_without_fetch"] += 1
+        return True
+    return False
+
+
 def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) -> None:
     """Fetch, in one RPC, the results of every finished output that had a spec; attach them."""
-    todo = []
+    todo, clean = [], []
     for out in outputs:
         if getattr(out, "finished", True):
             res = st.pop_pending(str(out.request_id))
             if res is not None:
-                todo.append((out, res))
+                (clean if nothing_to_fetch(st, res) else todo).append((out, res))
+    if clean:
+        _attach_all(st, clean, {}, None)
     if not todo:
+        if clean:
+            delivered()
         return
-    # Steer-only requests too: a worker-side failure (a full vector table, a vector deleted
-    # before the request ran) must reach their results.
     keys = [res.key for _, res in todo]
     # The collector stays paused from the RPC on: decoding the reply allocates an object or
     # more per request, and a full collection it triggers walks the whole heap (every output
@@ -168,7 +183,7 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
         try:
             replies = rpc(RPC, args=fetch_args(st, keys))
             count_rpc(st, replies, sent)
-            fetched = merge_ranks(replies)
+            fetched = merge_ranks(replies, st)
         except Exception as e:   # generation succeeded: every output keeps its tokens
             log.exception("vllm_hook: fetching results from the workers failed")
             fetched, failure = {}, f"results could not be fetched from the workers: {e!r}"
@@ -262,7 +277,7 @@ class FetchBatcher:
         try:
             replies = await self.rpc(RPC, args=fetch_args(self.st, b.keys))
             count_rpc(self.st, replies, sent)
-            merged = merge_ranks(replies)
+            merged = merge_ranks(replies, self.st)
         except Exception as e:
             try:             # the workers need not keep them until their TTL
                 await self.rpc(RPC, args=("discard", b.keys))

@@ -6,11 +6,13 @@ frontend (offline `LLM` and the API server alike), so two engines in one process
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from ..adapters.requests import engine_facts
 from ..config import HookConfig
@@ -42,7 +44,17 @@ class FrontendState:
     # served responses' results into safetensors, inline or kept for a handle).
     timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("admitted", "admit_s", "fetches", "fetch_rpc_s", "rpc_to_worker_s", "rpc_back_s", "read_s",
-         "build_s", "read_build_page_faults", "encode_s"), 0.0))
+         "build_s", "read_build_page_faults", "encode_s", "delivered_without_fetch"), 0.0))
+    # Each rank's result arena (its token; None: none), as the last fetch's replies named
+    # them: where a steering-only request's clean mark is read (`delivery.arena`).
+    arena_tokens: tuple = ()
+    # Tickets: a random prefix (several frontends of one engine never share a tag) and a count.
+    _tickets: Iterator[int] = field(default_factory=lambda: itertools.count(
+        (secrets.randbits(30) + 1) << 32 | 1))
+
+    def next_ticket(self) -> int:
+        """A steering-only request's ticket: unique (a 30-bit random prefix, a 32-bit count)."""
+        return next(self._tickets)
 
     def add_pending(self, request_id: str, res: Resolved) -> None:
         now = time.monotonic()

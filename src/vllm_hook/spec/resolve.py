@@ -87,6 +87,7 @@ class Resolved:
     dtype: str = "float32"
     hooks: int = 0                 # hooks in the spec: Results.hook_results has one per hook
     stack_layers: tuple[int, ...] | None = None   # vllm-lens output_residual_stream: out.activations
+    ticket: int = 0                # steering only: its clean mark's ticket (delivery.arena), 0: none
     # capture_bytes by total length, shared by the copies the frontend cache hands out
     worst_bytes: dict = field(default_factory=dict, repr=False, compare=False)
 

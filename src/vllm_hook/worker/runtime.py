@@ -39,6 +39,27 @@ MAX_SHARED_CAPTURES = 256     # distinct capture specs whose routes a worker kee
 BROADCAST_FROM = 128          # rows steered alike from which a device copy beats writing them
 
 
+class Errors(list):
+    """A request's errors. The first withdraws its clean mark (`delivery.arena`, clean marks):
+    its frontend then fetches the errors instead of assuming there are none."""
+
+    __slots__ = ("unmark",)
+
+    def __init__(self):
+        super().__init__()
+        self.unmark = None
+
+    def append(self, msg) -> None:
+        super().append(msg)
+        if self.unmark is not None:
+            self.unmark()
+
+    def extend(self, msgs) -> None:
+        super().extend(msgs)
+        if self and self.unmark is not None:
+            self.unmark()
+
+
 @dataclass(eq=False)
 class HookRequest:
     req_id: str
@@ -49,7 +70,7 @@ class HookRequest:
     op_rows: list[int] = field(default_factory=list)
     vec_rows: list[int] = field(default_factory=list)
     store: RequestStore = field(default_factory=RequestStore)
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=Errors)
     finished_at: float | None = None
     fetched: bool = False
     attn_jobs: dict[int, list[AttnJob]] = field(default_factory=dict)   # q point -> jobs
@@ -324,6 +345,17 @@ class HookRuntime:
             self._add_hooks(req, wire.get("hooks", ()))
         if req.routes.steer or req.routes.capture or req.hooks:
             self.active[req_id] = req
+        self._mark_clean(req, wire.get("t"))
+
+    def _mark_clean(self, req: HookRequest, ticket) -> None:
+        """A steering-only request admitted without an error: marked so in the arena, its
+        frontend delivers it without a fetch unless an error withdraws the mark."""
+        arena = self.collector.arena
+        if (arena is None or not isinstance(ticket, int) or ticket <= 0 or req.errors
+                or req.routes.capture or req.attn_jobs or req.hooks is not None):
+            return
+        arena.mark_clean(ticket)
+        req.errors.unmark = lambda: arena.unmark(ticket)
 
     def _capture_routes(self, caps) -> tuple:
         """A wire's captures on this worker: (routes, their groups, attention jobs by q point),
@@ -714,7 +746,8 @@ class HookRuntime:
         self.timing["fetch_s"] += time.perf_counter() - t0
         # When it ran (the host's monotonic clock): the frontend splits its RPC's time into
         # the way here (waiting, e.g., for a step in flight) and the way back.
-        reply = {"batch": payload, "entries": entries, "ran": (t0_mono, time.monotonic())}
+        reply = {"batch": payload, "entries": entries, "ran": (t0_mono, time.monotonic()),
+                 "arena_token": arena.token.hex() if arena is not None else None}
         if arena is not None and not lends:
             reply["arena"] = arena.offer()
         return reply
