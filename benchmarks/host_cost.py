@@ -16,7 +16,6 @@ A smoke test runs it in CI; the figures of record are the GPU's (benchmarks/thro
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import shutil
 import sys
@@ -31,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView  # noqa: E402
+from vllm_hook.client import _inline  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
 from vllm_hook.delivery.arena import FRONTEND as ARENAS  # noqa: E402
 from vllm_hook.delivery.spill import open_entry, spill_target, write_spilled  # noqa: E402
@@ -124,10 +124,9 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
         t = time.perf_counter()
         entries = [encode.encode_one(r, 0, store, cfg) for r in built]
         t_enc = time.perf_counter() - t
-        blobs = [store.pop(e["handle"]) if e["handle"] else base64.b64decode(e["data"]) for e in entries]
-        t = time.perf_counter()
-        for b in blobs:
-            Results.from_bytes(b)
+        t = time.perf_counter()          # the client's: inline base64 decoded, or by handle
+        for e in entries:
+            Results.from_bytes(_inline(e) or store.pop(e["handle"]))
         t_dec = time.perf_counter() - t
         out.update({f"served_read_build_{label}_us": 1e6 * t_build / len(keys),
                     f"served_encode_{label}_us": 1e6 * t_enc / len(keys),

@@ -17,10 +17,10 @@ guards every `/v1` path).
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
+import pybase64
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -225,7 +225,7 @@ async def collect_hooks(request: Request):
     async def work(engine, sv):
         replies = await _worker_call(engine, *_hooks.collect_args(sv.frontend))
         blob = (replies[0] or {}).get("blob", b"")
-        return {"format": "safetensors", "data": base64.b64encode(blob).decode("ascii") if blob else None}
+        return {"format": "safetensors", "data": pybase64.b64encode_as_string(blob) if blob else None}
     return await _hooks_route(request, work)
 
 
