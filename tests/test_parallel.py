@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
+import vllm_hook
 from vllm_hook import Hook
 from vllm_hook.testing.tiny_models import tiny_model
 
@@ -66,19 +67,41 @@ def _outputs(llm):
     return run(llm, ids, [sp(s, max_tokens=6) for s in _specs()])
 
 
+def _steering_only(llm):
+    """A steering-only batch after `_outputs` (whose fetch named every rank's arena): its
+    tokens, and how many requests came without a fetch (every rank marked them clean)."""
+    ids = [ids_of(llm, p) for p in PROMPTS[:3]]
+    before = vllm_hook.stats(llm)["frontend"]
+    outs = run(llm, ids, sp({"steer": [{"op": "add", "layer": 1, "vector": vec(8).tolist(), "scale": 4.0}]},
+                            max_tokens=6))
+    after = vllm_hook.stats(llm)["frontend"]
+    assert all(res(o).ok for o in outs)
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            (after["delivered_without_fetch"] - before["delivered_without_fetch"], after["fetches"] - before["fetches"]))
+
+
 @pytest.fixture(scope="module")
 def both(engines):
-    one = _outputs(engines.get("qwen2-tp1-eager", arch="qwen2", **CONFIG))
+    llm = engines.get("qwen2-tp1-eager", arch="qwen2", **CONFIG)
+    one = _outputs(llm), _steering_only(llm)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", _bind())
         llm = engines.get("qwen2-tp2-eager", arch="qwen2", tensor_parallel_size=2, **CONFIG)
-        two = _outputs(llm)
+        two = _outputs(llm), _steering_only(llm)
     engines.close()
     return one, two
 
 
+def test_tp2_steering_only_needs_no_fetch(both):
+    """Under TP each rank marks a steering-only request in its own arena; the frontend reads
+    both before it skips the fetch (`delivery.arena`, clean marks)."""
+    (_, (tokens1, skipped1)), (_, (tokens2, skipped2)) = both
+    assert tokens1 == tokens2
+    assert skipped1 == skipped2 == (3, 0)
+
+
 def test_tp2_equals_tp1(both):
-    one, two = both
+    (one, _), (two, _) = both
     want = load_file(f"{tiny_model('qwen2')}/model.safetensors")
     for i, (a, b) in enumerate(zip(one, two)):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"request {i}: tokens differ"

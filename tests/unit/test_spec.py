@@ -169,6 +169,13 @@ def test_resolution_cache_one_resolve_per_distinct_spec():
         {k: v for k, v in wb.items() if k not in ("key", "t")}
     kept = [r for r, _ in st.resolved._resolved.values()]
     assert all("t" not in r.wire and not r.ticket for r in kept)      # no request's own
+    # n > 1: the children share the parent's wire, so no ticket (one child's clean mark must
+    # not hide another's error); nor a capture (always fetched).
+    e, f = req(dict(spec)), req({"capture": [{"layers": [1]}]})
+    e.sampling_params.n = 2
+    _admit(ip, "4", e)
+    _admit(ip, "5", f)
+    assert "t" not in e.sampling_params.extra_args["vllm_hook"] and "t" not in f.sampling_params.extra_args["vllm_hook"]
     assert unpack_steer(wc["steer"])[0]["pos"] == [11] and unpack_steer(wa["steer"])[0]["pos"] == [9]
     assert a.cache_salt == b.cache_salt                     # same steering: the same prefix-cache salt
     st.names["v"] = ("e" * 32, 2.0)

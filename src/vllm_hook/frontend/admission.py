@@ -129,8 +129,9 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
         res = dataclasses.replace(res, stack_layers=tuple(stack))
     if res.items:
         _check_capture_bytes(st, res, prompt_len, sp)
-    elif not res.hooks and not st.persistent_hooks:
-        # Steering only: delivered without a fetch if its workers mark it clean.
+    elif not res.hooks and not st.persistent_hooks and getattr(sp, "n", 1) == 1:
+        # Steering only: delivered without a fetch if its workers mark it clean. Not n > 1:
+        # its children would share one ticket, and one child's clean mark hide another's error.
         res.ticket = res.wire["t"] = st.next_ticket()
     sp.extra_args = {**rest, SPEC_KEY: res.wire}
     if res.steer_digest:
