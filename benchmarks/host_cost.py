@@ -66,17 +66,19 @@ def frontend(cfg: HookConfig) -> SimpleNamespace:
     return ip
 
 
-def admit_batch(ip, spec: dict, n: int, cache: bool, one_object: bool = False) -> tuple[float, list]:
+def admit_batch(ip, spec: dict, n: int, cache: bool, one_object: bool = False,
+                varied: bool = False) -> tuple[float, list]:
     """Seconds per request of the frontend's admission of `n` requests of `spec`: each its own
     copy of it (served: one parsed body per HTTP request), or with `one_object` the one
     object offline `LLM.generate` passes through for every prompt (`admission.Sealed`) in
-    one call (`cache.one_call`)."""
+    one call (`cache.one_call`). `varied`: prompts of 128 lengths around P, as a dataset's."""
     st = ip.__dict__[STATE_ATTR]
     st.resolved.clear()
     shared = Sealed(json.loads(json.dumps(spec)))
     reqs = [SimpleNamespace(sampling_params=SimpleNamespace(
         extra_args={"vllm_hook": shared if one_object else json.loads(json.dumps(spec))},
-        skip_reading_prefix_cache=False), prompt_token_ids=list(range(P)), cache_salt=None) for _ in range(n)]
+        skip_reading_prefix_cache=False), prompt_token_ids=list(range(P - 64 + i % 128 if varied else P)),
+        cache_salt=None) for i in range(n)]
     with one_call():
         t = time.perf_counter()
         for i, r in enumerate(reqs):
@@ -141,6 +143,7 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
     spec = SPECS[name]
     cold, _ = admit_batch(ip, spec, n, cache=False)
     offline, _ = admit_batch(ip, spec, n, cache=True, one_object=True)
+    varied, _ = admit_batch(ip, spec, n, cache=True, varied=True)
     warm, reqs = admit_batch(ip, spec, n, cache=True)
     new = tuple(NewRequest(f"{i}-r{rnd:07d}", r.sampling_params.extra_args["vllm_hook"], P) for i, r in enumerate(reqs))
     t = time.perf_counter()
@@ -196,7 +199,7 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
             raise SystemExit(f"{name}: requests {bad[:4]} got errors: {getattr(outputs[0], ATTR).errors}")
         served = served_cost(opened, fetched, keys, items if stored else [], st.points, gen, cfg) if args.served else {}
     return {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
-            "frontend_admit_offline_us": 1e6 * offline,
+            "frontend_admit_offline_us": 1e6 * offline, "frontend_admit_varied_lengths_us": 1e6 * varied,
             "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
             "worker_decode_routing_us": 1e6 * t_decode, "worker_finish_us": 1e6 * t_finish,
             "worker_fetch_us": 1e6 * t_fetch, "fetched_pct": 100 * len(fetch_keys) / n, "frontend_read_us": 1e6 * t_read,

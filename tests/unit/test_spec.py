@@ -141,6 +141,42 @@ def test_empty_spec():
     assert parse_spec({}).is_empty
 
 
+def test_a_spec_naming_no_positions_resolves_once_for_every_prompt_length(monkeypatch):
+    """A dataset's prompts differ in length: a spec without token positions is resolved once,
+    each request getting its own "P" and cached-prefix rule; one naming positions (-1: the
+    last prompt token) is resolved per length."""
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend import admission
+    from vllm_hook.frontend.state import STATE_ATTR, FrontendState
+    from vllm_hook.model.layout import PointTable
+
+    st = FrontendState(cfg=CFG, info=INFO, points=PointTable.for_config(4, CFG), max_model_len=64)
+    ip = SimpleNamespace()
+    ip.__dict__[STATE_ATTR] = st
+    calls = []
+    real = admission.resolve
+    monkeypatch.setattr(admission, "resolve", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+
+    def admit(spec, n):
+        r = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"vllm_hook": spec}, max_tokens=4,
+                                                            skip_reading_prefix_cache=False),
+                            prompt_token_ids=list(range(n)), cache_salt=None)
+        admission._admit(ip, f"r{len(calls)}-{n}-{id(r)}", r)
+        return r.sampling_params
+
+    plain = {"capture": [{"layers": [1], "tokens": "all"}], "steer": [{"op": "add", "layer": 2, "vector": [0.5] * 8}]}
+    got = [admit(json.loads(json.dumps(plain)), n) for n in (10, 1, 23, 10)]
+    assert calls == [10]
+    assert [g.extra_args["vllm_hook"]["P"] for g in got] == [10, 1, 23, 10]
+    # Every prompt token is captured: a cached prefix is skipped, but a 1-token prompt has none.
+    assert [g.skip_reading_prefix_cache for g in got] == [True, False, True, True]
+    positional = {"capture": [{"layers": [1], "tokens": [-1]}]}
+    got = [admit(json.loads(json.dumps(positional)), n) for n in (10, 23, 10)]
+    assert calls == [10, 10, 23]
+    assert [g.extra_args["vllm_hook"]["cap"][0]["pos"] for g in got] == [[9], [22], [9]]
+
+
 def test_resolution_cache_one_resolve_per_distinct_spec():
     from types import SimpleNamespace
 

@@ -67,11 +67,11 @@ def _check_capture_bytes(st, res, prompt_len: int, sp: Any) -> None:
     limit = st.cfg.capture_limits()[0]
     max_tokens = getattr(sp, "max_tokens", None)
     total = min(prompt_len + (max_tokens if max_tokens is not None else st.max_model_len), st.max_model_len)
-    worst = res.worst_bytes.get(total)
+    worst = res.worst_bytes.get((prompt_len, total))
     if worst is None:
         worst = capture_bytes(res.items, st.info, prompt_len, total)
-        if len(res.worst_bytes) < 64:       # a batch repeats a few max_tokens
-            res.worst_bytes[total] = worst
+        if len(res.worst_bytes) < 256:      # a batch repeats a few lengths
+            res.worst_bytes[(prompt_len, total)] = worst
     if worst > limit:
         raise SpecError("capture", f"its captures could take {worst:,} bytes of host memory on a worker "
                         f"(every selected row over {prompt_len} prompt + up to {total - prompt_len} "
@@ -119,12 +119,13 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
             _hooked(request, sp)
         return
     prompt_len = prompt_len_of(request)
-    res = st.resolved.get(cache, prompt_len) if cache is not None else None
+    positional = spec.positional
+    res = st.resolved.get(cache, prompt_len, positional) if cache is not None else None
     if res is None:
         res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len,
                       allow_pickles=allow_pickles(st))
         if cache is not None:
-            res = st.resolved.put(cache, prompt_len, res, keep)
+            res = st.resolved.put(cache, prompt_len, res, keep, positional)
     if stack is not None:
         res = dataclasses.replace(res, stack_layers=tuple(stack))
     if res.items:

@@ -2,8 +2,9 @@
 
 A batch usually sends one spec for many prompts (and vLLM deep-copies each request's
 SamplingParams, so the copies are equal, not identical): the parsed spec is kept by its
-content, the resolved one by content and prompt length (selectors, prompt checks and the
-cached-prefix rule depend on it). Each request still gets its own key. Named vectors enter the
+content, the resolved one by content, and by prompt length too where the spec names token
+positions (resolved against the prompt's length; else only the wire's "P" and the
+cached-prefix rule depend on it, set per request). Each request still gets its own key. Named vectors enter the
 resolution (digest, norm): registering or deleting one clears the cache.
 """
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from ..hooks.hook import Hook
-from ..spec.resolve import Resolved
+from ..spec.resolve import Resolved, reads_cached_prefix
 
 MAX_ENTRIES = 256
 MAX_KEY_BYTES = 64 << 10      # larger specs (large inline vectors) are resolved every time
@@ -118,13 +119,17 @@ def call_key(raw: Any) -> tuple[Any, list]:
     return got[1], got[2]
 
 
-def own_copy(res: Resolved) -> Resolved:
+def own_copy(res: Resolved, prompt_len: int | None = None) -> Resolved:
     """A request's own Resolved: a new key, a wire dict of its own; items and worst_bytes
     shared. A shallow copy made by hand: copy.copy of a dataclass goes through
-    __reduce_ex__, 10 µs a request."""
+    __reduce_ex__, 10 µs a request. `prompt_len`: that of the request, when `res` was
+    resolved for another length of a spec that names no positions (`HookSpec.positional`)."""
     out = object.__new__(Resolved)
     key = os.urandom(16).hex()
     out.__dict__ = {**res.__dict__, "key": key, "wire": {**res.wire, "key": key}}
+    if prompt_len is not None and prompt_len != res.prompt_len:
+        out.prompt_len = out.wire["P"] = prompt_len
+        out.reads_cached_prefix = reads_cached_prefix(res.wire["cap"], prompt_len)
     return out
 
 
@@ -146,18 +151,21 @@ class ResolvedCache:
         while len(self._specs) > self.max_entries:
             self._specs.popitem(last=False)
 
-    def get(self, key: str, prompt_len: int) -> Resolved | None:
-        """A copy of the resolution kept for (spec, prompt length), with a key of its own."""
-        got = self._resolved.get((key, prompt_len))
+    def get(self, key: str, prompt_len: int, positional: bool = True) -> Resolved | None:
+        """A copy of the resolution kept for the spec, with a key of its own: kept per prompt
+        length for a spec naming positions, else one for every length (a dataset's prompts
+        differ in length: each would resolve again)."""
+        k = (key, prompt_len if positional else None)
+        got = self._resolved.get(k)
         if got is None:
             return None
-        self._resolved.move_to_end((key, prompt_len))
+        self._resolved.move_to_end(k)
         self.hits += 1
-        return own_copy(got[0])
+        return own_copy(got[0], prompt_len)
 
-    def put(self, key: str, prompt_len: int, res: Resolved, keep: list) -> Resolved:
+    def put(self, key: str, prompt_len: int, res: Resolved, keep: list, positional: bool = True) -> Resolved:
         """Keep `res`; the request that resolved it gets a copy (the kept one is never a request's)."""
-        self._resolved[(key, prompt_len)] = (res, keep)
+        self._resolved[(key, prompt_len if positional else None)] = (res, keep)
         while len(self._resolved) > self.max_entries:
             self._resolved.popitem(last=False)
         return own_copy(res)

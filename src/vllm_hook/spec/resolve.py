@@ -88,7 +88,7 @@ class Resolved:
     hooks: int = 0                 # hooks in the spec: Results.hook_results has one per hook
     stack_layers: tuple[int, ...] | None = None   # vllm-lens output_residual_stream: out.activations
     ticket: int = 0                # steering only: its clean mark's ticket (delivery.arena), 0: none
-    # capture_bytes by total length, shared by the copies the frontend cache hands out
+    # capture_bytes by (prompt length, total length), shared by the copies the frontend cache hands out
     worst_bytes: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -314,7 +314,7 @@ def resolve(
 
     # Cached prefix tokens are never recomputed, so their activations would not exist.
     # vLLM always recomputes the last prompt token, so only earlier positions force a recompute.
-    reads_cached_prefix = any(_needs_early_prompt(c, prompt_len) for c in wire_cap)
+    reads_cached = reads_cached_prefix(wire_cap, prompt_len)
 
     wire_hooks = resolve_hooks(spec.hooks, n, config.layers_of(config.hook_layers, n), allow_pickles,
                                tuple(config.hook_modules)) if spec.hooks else []
@@ -330,7 +330,7 @@ def resolve(
         wire["hooks"] = wire_hooks
     return Resolved(wire=wire, key=key, prompt_len=prompt_len,
                     save_dir=spec.save.dir if spec.save else None, steer_digest=steer_digest,
-                    reads_cached_prefix=reads_cached_prefix, items=items, dtype=spec.dtype,
+                    reads_cached_prefix=reads_cached, items=items, dtype=spec.dtype,
                     hooks=len(wire_hooks))
 
 
@@ -378,6 +378,11 @@ def capture_bytes(items: list[dict], model: ModelInfo, prompt_len: int, total_le
             else heads * model.head_dim * size if site in ("q", "k")
             else model.hidden_size * size))
     return sum(n * per_row[k] for k, n in rows.items())
+
+
+def reads_cached_prefix(wire_cap: list[dict], prompt_len: int) -> bool:
+    """Whether captures `wire_cap` need prompt rows a cached prefix would skip."""
+    return any(_needs_early_prompt(c, prompt_len) for c in wire_cap)
 
 
 def _needs_early_prompt(cap: dict, prompt_len: int) -> bool:

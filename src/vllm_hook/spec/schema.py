@@ -136,6 +136,13 @@ class HookSpec(_Model):
     def is_empty(self) -> bool:
         return not self.capture and not self.steer and not self.hooks
 
+    @property
+    def positional(self) -> bool:
+        """Whether it names token positions (a negative one counts from the prompt's end): only
+        then does its resolution depend on the prompt's length beyond the wire's "P"."""
+        return any(isinstance(c.tokens, list) for c in self.capture) or any(
+            isinstance(op.tokens, list) for op in self.steer)
+
 
 _BRANCH_TAGS = {"add", "cap", "ablate", "int", "str", "float", "bool", "dict", "list", "Hook",
                 "NamedHook", "PickledHook", "bytes"}
