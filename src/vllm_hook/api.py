@@ -27,7 +27,8 @@ def delete_vectors(llm: Any, names: list[str]) -> list[str]:
 def stats(llm: Any) -> dict:
     """Worker-side counters of rank 0 (admitted requests, retained bytes, table use, seconds
     spent in fetches, ...), and under "frontend" this process's delivery timing (seconds in
-    the fetch RPC, reading results, building `Results`, summed)."""
+    the fetch RPC, reading results, building `Results`, summed; fetches, and steering-only
+    requests delivered without one, counted)."""
     out = dict(checked(llm.collective_rpc(RPC, args=("stats",)))[0])
     out["frontend"] = dict(_state(llm).timing)
     return out
