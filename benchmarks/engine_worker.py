@@ -22,12 +22,15 @@ def reply(obj) -> None:
     sys.stdout.flush()
 
 
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts(n: int, length: int, vocab: int, seed: int, varied: bool = False) -> list[list[int]]:
+    """`n` random prompts of `length` tokens; `varied`: of lengths spread over [length / 2,
+    3 * length / 2), as a dataset's (the same total)."""
     import random
 
     rng = random.Random(seed)
     lo = min(1000, vocab // 4)
-    return [[rng.randrange(lo, vocab - 1) for _ in range(length)] for _ in range(n)]
+    lengths = [length // 2 + (i * length) // n for i in range(n)] if varied else [length] * n
+    return [[rng.randrange(lo, vocab - 1) for _ in range(k)] for k in lengths]
 
 
 _PY_HOOKS: dict = {}
@@ -104,7 +107,7 @@ def main() -> None:
 
     def run(cmd):
         n, plen, gen = cmd["n"], cmd["prompt_len"], cmd["max_tokens"]
-        ps = prompts(n, plen, vocab, cmd.get("seed", 0))
+        ps = prompts(n, plen, vocab, cmd.get("seed", 0), cmd.get("varied_lengths", False))
         specs = [python_hooks(s) for s in (cmd.get("specs") or [None] * n)]
         sps = [SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True, logprobs=cmd.get("logprobs"),
                               extra_args={"vllm_hook": s} if (s and hook) else None) for s in specs]

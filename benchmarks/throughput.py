@@ -40,11 +40,12 @@ STAGES = {  # counter (frontend or worker timing) -> stage name
 
 
 ONE_PARAMS = {"on": False}       # --one-params
+VARIED = {"on": False}           # --varied-lengths
 
 
 def timed(w, n, plen, gen, specs, seed):
     r = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": gen, "specs": specs, "reps": 1,
-                "seed0": seed, "one_params": ONE_PARAMS["on"]}, timeout=1800)
+                "seed0": seed, "one_params": ONE_PARAMS["on"], "varied_lengths": VARIED["on"]}, timeout=1800)
     return r["times"][0], r["gc_s"][0]
 
 
@@ -100,7 +101,9 @@ def verdict(case: dict) -> str:
 def report(result: dict) -> str:
     m = result["meta"]
     lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
-             f"wall {m.get('wall_s', 0):.0f} s. Ratios: median [95 % bootstrap interval] over reps.",
+             f"wall {m.get('wall_s', 0):.0f} s. Ratios: median [95 % bootstrap interval] over reps."
+             + (" Prompts of lengths spread over [PROMPT / 2, 3 * PROMPT / 2)." if result.get("varied_lengths") else "")
+             + (" One SamplingParams per uniform batch." if result.get("one_params") else ""),
              f"Engines' threads: {json.dumps({k: v.get('threads') for k, v in result.get('startup', {}).items()})}", "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | target "
              "| frontend's garbage collection, ms: hooked / unhooked |",
@@ -145,10 +148,14 @@ def main() -> None:
     ap.add_argument("--one-params", action="store_true",
                     help="a batch whose requests share one spec gets one SamplingParams for every prompt, as "
                     "users pass it (default: one per request, each with its own spec object, as served)")
+    ap.add_argument("--varied-lengths", action="store_true",
+                    help="prompts of lengths spread over [PROMPT / 2, 3 * PROMPT / 2), as a dataset's "
+                    "(default: every prompt PROMPT tokens)")
     ap.add_argument("--gpu-mem", type=float, default=0.35)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     args = ap.parse_args()
     ONE_PARAMS["on"] = args.one_params
+    VARIED["on"] = args.varied_lengths
     out = Path(args.out)
     model, base = model_and_base(args, max_num_seqs=256, smoke_kv_bytes=256 << 20)
     big = (32, 512)
@@ -160,7 +167,8 @@ def main() -> None:
     cfg = json.loads((Path(model) / "config.json").read_text())
     L = cfg["num_hidden_layers"]
     wl = workloads(L)
-    result = Record(out, run_meta(model, cfg), render=report, startup={}, cases=[])
+    result = Record(out, run_meta(model, cfg), render=report, startup={}, cases=[],
+                    varied_lengths=args.varied_lengths, one_params=args.one_params)
     save = result.save
 
     engines = {}

@@ -43,9 +43,10 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
     """benchmarks/throughput.py and extract_speed.py (issue 17) and hooks_gpu.py (issue 16) on
     the tiny model."""
     engines.close()
-    # --one-params: the uniform workloads as users pass them (one SamplingParams), mixed as before
+    # --one-params: the uniform workloads as users pass them (one SamplingParams), mixed as before;
+    # --varied-lengths: prompts of many lengths, as a dataset's
     for script, extra in (("throughput.py", ["--workloads", "unused", "steer_add_all_layers", "mixed_thirds",
-                                             "--one-params"]),
+                                             "--one-params", "--varied-lengths"]),
                           ("hooks_gpu.py", []), ("extract_speed.py", [])):
         out = tmp_path / script
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
@@ -55,6 +56,7 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
     tp = json.loads((tmp_path / "throughput.py" / "results.json").read_text())
     assert {c["workload"] for c in tp["cases"]} >= {"unused", "steer_add_all_layers", "capture_all_tokens_all_layers"}
     assert all(c["host_us_per_request"]["admission (parse, resolve)"] > 0 for c in tp["cases"] if c["workload"] != "unused")
+    assert tp["varied_lengths"] and tp["one_params"] and "lengths spread" in (tmp_path / "throughput.py" / "report.md").read_text()
     hk = json.loads((tmp_path / "hooks_gpu.py" / "results.json").read_text())
     assert hk["parity"]["modifying_hook_zeroed_dims_exactly"] is True
     xs = json.loads((tmp_path / "extract_speed.py" / "results.json").read_text())
