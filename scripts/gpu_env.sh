@@ -10,6 +10,8 @@ if [ -n "${1:-}" ]; then
 else
   source "$here/.gpukit/unpack.sh"; site=/tmp/site
 fi
+# Two-GPU runs (issue 21) keep NVLink multicast off.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$here/src:$here/benchmarks:${PYTHONPATH:-}"
 di=$site/vllm_hook-0.1.0.dist-info
 mkdir -p "$di"
