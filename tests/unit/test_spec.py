@@ -56,6 +56,17 @@ def test_json_string_and_dict_agree():
     ({"steer": [{"op": "add", "layer": 0, "vector": {"b64": "AAAA", "dtype": "int8"}}]}, "steer[0].vector", "dtype"),
     ({"steer": [{"op": "add", "layer": 1, "vector": V}] * 3}, "steer[2].layer", "max_ops_per_layer"),
     ({"capture": [{}], "dtype": "bf16"}, "dtype", '"model"'),
+    # Coefficients: the one-comparison fast path must leave every failure to the full checks
+    ({"steer": [{"op": "add", "layer": 0, "vector": V, "scale": math.nan}]}, "steer[0].scale", "scale is nan"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": V, "scale": -math.inf}]}, "steer[0].scale", "scale is -inf"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": V, "scale": 1e30}]}, "steer[0].scale", "scale x ||vector||"),
+    ({"steer": [{"op": "add", "layer": 0, "vector": V, "scale": 1e30, "norm_match": True}]}, "steer[0].scale",
+     "exceeds"),
+    ({"steer": [{"op": "ablate", "layer": 0, "vector": V, "scale": math.inf}]}, "steer[0].scale", "scale is inf"),
+    ({"steer": [{"op": "cap", "layer": 0, "vector": V, "min": math.nan}]}, "steer[0].min", "min is NaN"),
+    ({"steer": [{"op": "cap", "layer": 0, "vector": V, "max": math.nan}]}, "steer[0].max", "max is NaN"),
+    ({"steer": [{"op": "cap", "layer": 0, "vector": V, "min": -1e30}]}, "steer[0].min", "|min|"),
+    ({"steer": [{"op": "cap", "layer": 0, "vector": V, "max": 1e30}]}, "steer[0].max", "|max|"),
 ])
 def test_invalid_specs(spec, where, words):
     with pytest.raises(SpecError) as e:

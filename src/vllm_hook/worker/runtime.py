@@ -426,22 +426,29 @@ class HookRuntime:
         K = shape.ops_per_layer
         params, vec_rows, cols, sels = [], [], [], []
         slot_of = _slots_by_op(ops)
+        tables, no_gram = self.tables, [0.0] * (K - 1)
         try:
             for i, op in enumerate(ops):
                 values = np.frombuffer(op["vec"], dtype=np.float32) if "vec" in op else self.named[op["name"]]
-                row = self.tables.acquire_vector(op["digest"], values)
+                row = tables.acquire_vector(op["digest"], values)
                 req.vec_rows.append(row)
                 vec_rows.append(row)
                 slot, prev = slot_of[i]
                 cols.append(op_col(shape, int(op["layer"]), slot))
-                c_add, c_norm, c_abl, lo, hi = (float(x) for x in op["c"])
-                u = self.tables.units[row].astype(np.float64)
+                c_add, c_norm, c_abl, lo, hi = op["c"]        # numbers: `check_wire`
                 # G with the op each lower slot holds on this op's rows (none: 0; several:
                 # refused at admission when it matters, see spec.resolve._check_slots).
-                gram = [float(np.dot(u, self.tables.units[vec_rows[j]])) if j is not None and j >= 0 else 0.0
-                        for j in prev]
-                params.append([c_add * self.tables.norms[row], c_norm, c_abl, lo, hi]
-                              + gram + [0.0] * (K - 1 - len(gram)))
+                # Most ops are alone on their layer: no products (a 28-op spec's were most
+                # of a distinct spec's admission).
+                if prev and any(j is not None and j >= 0 for j in prev):
+                    u = tables.units[row].astype(np.float64)
+                    gram = [float(np.dot(u, tables.units[vec_rows[j]])) if j is not None and j >= 0 else 0.0
+                            for j in prev]
+                    gram += [0.0] * (K - 1 - len(gram))
+                else:
+                    gram = no_gram
+                params.append([float(c_add) * tables.norms[row], float(c_norm), float(c_abl), float(lo), float(hi),
+                               *gram])
                 sels.append((op["sel"], tuple(op["pos"])))
             req.op_rows = self.tables.acquire_ops(params)
         except Exception:
