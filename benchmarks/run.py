@@ -146,6 +146,9 @@ def workloads(L: int) -> dict:
         "steer_add_1_layer": lambda i: steer1,
         "steer_add_all_layers": lambda i: {"steer": [{"op": "add", "layer": x, "vector": "bench_a",
                                                       "scale": 0.05} for x in range(L)]},
+        # The same with a scale of each request's own (a strength sweep): every spec new
+        "steer_add_all_layers_own_scale": lambda i: {"steer": [{"op": "add", "layer": x, "vector": "bench_a",
+                                                                "scale": 0.05 * (1 + i / 1024)} for x in range(L)]},
         "cap_1_layer": lambda i: {"steer": [{"op": "cap", "layer": mid, "vector": "bench_b", "min": -1.0,
                                              "max": 1.0}]},
         "capture_last_prompt_4_layers": lambda i: {"capture": [{"layers": four, "tokens": "last_prompt"}]},
@@ -159,6 +162,10 @@ def workloads(L: int) -> dict:
         "attention_tracker_4_layers": lambda i: {"capture": [{"site": "attn_scores", "layers": four,
                                                               "tokens": "last_prompt"}]},
     }
+
+
+# Decode-time workloads run only when named (--workloads): the throughput benchmarks' rows.
+OPT_IN = {"steer_add_all_layers_own_scale"}
 
 
 def median(xs):
@@ -200,7 +207,7 @@ def bench(workers: dict[str, Worker], L: int, args, save) -> dict:
     wl["unused_capture_only_engine"] = wl["unused"]
     wl["capture_last_prompt_4_layers_capture_only_engine"] = wl["capture_last_prompt_4_layers"]
     timed = {k: v for k, v in wl.items() if ENGINE_OF.get(k, "plugin_lean") in workers
-             and (not args.workloads or k in args.workloads)}
+             and (k in args.workloads if args.workloads else k not in OPT_IN)}
     for c in args.concurrency if "tpot" in args.sections else ():
         for name, make in timed.items():
             specs = [make(i) for i in range(c)]

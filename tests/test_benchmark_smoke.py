@@ -46,7 +46,7 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
     # --one-params: the uniform workloads as users pass them (one SamplingParams), mixed as before;
     # --varied-lengths: prompts of many lengths, as a dataset's
     for script, extra in (("throughput.py", ["--workloads", "unused", "steer_add_all_layers", "mixed_thirds",
-                                             "--one-params", "--varied-lengths"]),
+                                             "steer_add_all_layers_own_scale", "--one-params", "--varied-lengths"]),
                           ("hooks_gpu.py", []), ("extract_speed.py", [])):
         out = tmp_path / script
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
@@ -54,7 +54,8 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert (out / "report.md").read_text().count("|") > 20
     tp = json.loads((tmp_path / "throughput.py" / "results.json").read_text())
-    assert {c["workload"] for c in tp["cases"]} >= {"unused", "steer_add_all_layers", "capture_all_tokens_all_layers"}
+    assert {c["workload"] for c in tp["cases"]} >= {"unused", "steer_add_all_layers", "capture_all_tokens_all_layers",
+                                                   "steer_add_all_layers_own_scale"}
     assert all(c["host_us_per_request"]["admission (parse, resolve)"] > 0 for c in tp["cases"] if c["workload"] != "unused")
     assert tp["varied_lengths"] and tp["one_params"] and "lengths spread" in (tmp_path / "throughput.py" / "report.md").read_text()
     hk = json.loads((tmp_path / "hooks_gpu.py" / "results.json").read_text())
