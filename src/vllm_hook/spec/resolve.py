@@ -238,12 +238,10 @@ def resolve(
     # The engine's steering and projection layers, once per spec, not per op
     steer_layers = config.steering_layers(n) if spec.steer else set()
     proj_layers = config.layers_of(config.projection_layers, n) if spec.steer else set()
-    names: dict[str, tuple] = {}                 # a spec's ops mostly share one named vector
     for i, op in enumerate(spec.steer):
         where = f"steer[{i}]"
-        L = op.layer % n if -n <= op.layer < n else _layer(op.layer, n, f"{where}.layer")
-        sel, pos = (op.tokens, []) if isinstance(op.tokens, str) else \
-            _selector(op.tokens, prompt_len, f"{where}.tokens")
+        L = _layer(op.layer, n, f"{where}.layer")
+        sel, pos = _selector(op.tokens, prompt_len, f"{where}.tokens")
         if max_model_len and pos and pos[-1] >= max_model_len:
             raise SpecError(f"{where}.tokens", f"position {pos[-1]} is beyond max_model_len={max_model_len}",
                             "use positions inside the sequence")
@@ -280,12 +278,10 @@ def resolve(
         if not (abs(s0) <= bound and abs(s1) <= bound and abs(s2 + 1.0) <= bound
                 and (lo == -inf or abs(lo) <= bound) and (hi == inf or abs(hi) <= bound)):
             _check_coefficients(coef, bound, where, model)
-        vec = op.vector if isinstance(op.vector, str) and op.vector else decode_vector(op.vector, f"{where}.vector")
+        vec = decode_vector(op.vector, f"{where}.vector")
         entry = {"layer": L, "sel": sel, "pos": pos, "c": coef}
         if isinstance(vec, str):
-            known = names.get(vec)
-            if known is None:
-                known = names[vec] = known_vectors(vec)
+            known = known_vectors(vec)
             if known is None:
                 raise UnknownVectorError(f"{where}.vector", f"no registered vector named {vec!r}",
                                          "register it first (vllm_hook.register_vectors or "
