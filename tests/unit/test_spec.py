@@ -10,7 +10,7 @@ import pytest
 
 from vllm_hook.config import HookConfig
 from vllm_hook.spec import ModelInfo, SpecError, UnknownVectorError, encode_vector, parse_spec, resolve
-from vllm_hook.spec.resolve import unpack_steer
+from vllm_hook.spec.resolve import steer_ops, unpack_steer
 from vllm_hook.spec.vectors import decode_vector
 
 INFO = ModelInfo(num_layers=4, hidden_size=8, name="tiny")
@@ -117,10 +117,12 @@ def test_coefficients():
         {"op": "ablate", "layer": 3, "vector": V, "scale": 0.25},
     ]}).wire["steer"]
     assert isinstance(w, bytes)                # one blob through vLLM's serialisation
-    w = unpack_steer(w)
     inf = math.inf
-    assert [s["c"] for s in w] == [[2.0, 0, 0, -inf, inf], [0, 0.5, 0, -inf, inf],
-                                   [0, 0, 0, -inf, 1.5], [0, 0, -0.75, -inf, inf]]
+    assert [s["c"] for s in steer_ops(w)] == [[2.0, 0, 0, -inf, inf], [0, 0.5, 0, -inf, inf],
+                                              [0, 0, 0, -inf, 1.5], [0, 0, -0.75, -inf, inf]]
+    # columns, the coefficients flat: the worker reads them as arrays
+    cols = unpack_steer(w)
+    assert cols["layer"] == [0, 1, 2, 3] and len(cols["c"]) == 20 and cols["name"] == [None] * 4
 
 
 def test_vectors_in_every_form():
@@ -144,7 +146,7 @@ def test_steering_salts_and_capture_skips_cache():
 
 def test_named_vector_resolves_to_digest():
     r = R({"steer": [{"op": "add", "layer": 0, "vector": "calm"}]}, names={"calm": ("abc", 1.0)})
-    op = unpack_steer(r.wire["steer"])[0]
+    op = steer_ops(r.wire["steer"])[0]
     assert op["name"] == "calm" and op["digest"] == "abc"
 
 
@@ -223,13 +225,13 @@ def test_resolution_cache_one_resolve_per_distinct_spec():
     _admit(ip, "4", e)
     _admit(ip, "5", f)
     assert "t" not in e.sampling_params.extra_args["vllm_hook"] and "t" not in f.sampling_params.extra_args["vllm_hook"]
-    assert unpack_steer(wc["steer"])[0]["pos"] == [11] and unpack_steer(wa["steer"])[0]["pos"] == [9]
+    assert steer_ops(wc["steer"])[0]["pos"] == [11] and steer_ops(wa["steer"])[0]["pos"] == [9]
     assert a.cache_salt == b.cache_salt                     # same steering: the same prefix-cache salt
     st.names["v"] = ("e" * 32, 2.0)
     st.resolved.clear()                                     # what (re)registering a vector does
     d = req(dict(spec))
     _admit(ip, "3", d)
-    assert unpack_steer(d.sampling_params.extra_args["vllm_hook"]["steer"])[0]["digest"] == "e" * 32
+    assert steer_ops(d.sampling_params.extra_args["vllm_hook"]["steer"])[0]["digest"] == "e" * 32
     # Specs that hold tensors are resolved every time (no cheap exact key).
     import torch
 
@@ -275,7 +277,7 @@ def test_sealed_spec_rides_through_vllms_copy_and_is_admitted_as_given():
     req = SimpleNamespace(sampling_params=copy, prompt_token_ids=list(range(8)), cache_salt=None)
     _admit(ip, "0", req)
     wire = copy.extra_args["vllm_hook"]
-    assert isinstance(wire, dict) and len(unpack_steer(wire["steer"])) == 4 and copy.extra_args["other"] == [1, 2]
+    assert isinstance(wire, dict) and len(steer_ops(wire["steer"])) == 4 and copy.extra_args["other"] == [1, 2]
 
 
 def test_one_spec_object_is_keyed_once_per_call(monkeypatch):
@@ -300,7 +302,7 @@ def test_one_spec_object_is_keyed_once_per_call(monkeypatch):
                                                             skip_reading_prefix_cache=False),
                             prompt_token_ids=list(range(10)), cache_salt=None)
         admission._admit(ip, rid, r)
-        return unpack_steer(r.sampling_params.extra_args["vllm_hook"]["steer"])[0]["layer"]
+        return steer_ops(r.sampling_params.extra_args["vllm_hook"]["steer"])[0]["layer"]
 
     spec = {"steer": [{"op": "add", "layer": 1, "vector": "v", "scale": 2.0}]}
     with cache.one_call():

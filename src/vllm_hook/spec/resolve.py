@@ -27,16 +27,38 @@ WIRE_VERSION = 1
 _PACK = msgspec.msgpack.Encoder()
 
 
-def pack_steer(ops: list[dict]) -> bytes:
-    """A wire's steering ops as one msgpack blob: vLLM serialises each request's extra_args
-    to the engine core field by field (24 µs a request on the CPU to decode a 28-op list),
-    a blob in one piece; a worker whose requests already steer alike never opens it."""
-    return _PACK.encode(ops)
+STEER_COLUMNS = ("layer", "sel", "pos", "c", "digest", "name", "vec")
 
 
-def unpack_steer(ops: bytes | list) -> list[dict]:
-    """The ops of a wire's "steer" (a blob, or a list in a wire made by hand)."""
-    return msgspec.msgpack.decode(ops) if isinstance(ops, (bytes, bytearray, memoryview)) else list(ops)
+def pack_steer(ops: dict[str, list] | list[dict]) -> bytes:
+    """A wire's steering ops as one msgpack blob of columns (`STEER_COLUMNS`; "c" flat, five
+    numbers an op; "name" or "vec" None where the op has the other): vLLM serialises each
+    request's extra_args to the engine core field by field (24 µs a request on the CPU to
+    decode a 28-op list), a blob in one piece, and columns let the worker check and admit a
+    new spec's ops in array operations. A worker whose requests already steer alike never
+    opens it. `ops`: columns, or a list of op dicts."""
+    return _PACK.encode(_columns(ops) if isinstance(ops, list) else ops)
+
+
+def _columns(ops: list[dict]) -> dict[str, list]:
+    cols: dict[str, list] = {k: [op.get(k) for op in ops] for k in STEER_COLUMNS if k != "c"}
+    cols["c"] = [x for op in ops for x in (op.get("c") or ())]
+    return cols
+
+
+def unpack_steer(ops: bytes | list) -> dict[str, list]:
+    """The columns of a wire's "steer" (a blob, or a list of op dicts in a wire made by hand)."""
+    if isinstance(ops, (bytes, bytearray, memoryview)):
+        return msgspec.msgpack.decode(ops)
+    return _columns([op if isinstance(op, dict) else {} for op in ops])
+
+
+def steer_ops(ops: bytes | list) -> list[dict]:
+    """The ops of a wire's "steer", one dict each (for reading and tests)."""
+    cols = unpack_steer(ops)
+    c = cols["c"]
+    return [{**{k: cols[k][i] for k in STEER_COLUMNS if k != "c" and cols[k][i] is not None},
+             "c": list(c[5 * i:5 * i + 5])} for i in range(len(cols["layer"]))]
 
 
 # Distinct (site, layer, selector) captures of one spec: 7 sites x 128 layers x 4 selectors fit.
@@ -234,7 +256,9 @@ def resolve(
                         f"{MAX_CAPTURE_ENTRIES}", "merge items that differ only in their tokens, or split "
                         "the work over requests")
 
-    wire_steer, per_layer, digests = [], {}, []
+    cols: dict[str, list] = {k: [] for k in STEER_COLUMNS}       # the wire's steering columns
+    c_layer, c_sel, c_pos, c_coef, c_digest, c_name, c_vec = (cols[k] for k in STEER_COLUMNS)
+    per_layer: dict[int, list[tuple[int, bool]]] = {}
     # The engine's steering and projection layers, once per spec, not per op
     steer_layers = config.steering_layers(n) if spec.steer else set()
     proj_layers = config.layers_of(config.projection_layers, n) if spec.steer else set()
@@ -279,7 +303,6 @@ def resolve(
                 and (lo == -inf or abs(lo) <= bound) and (hi == inf or abs(hi) <= bound)):
             _check_coefficients(coef, bound, where, model)
         vec = decode_vector(op.vector, f"{where}.vector")
-        entry = {"layer": L, "sel": sel, "pos": pos, "c": coef}
         if isinstance(vec, str):
             known = known_vectors(vec)
             if known is None:
@@ -287,26 +310,31 @@ def resolve(
                                          "register it first (vllm_hook.register_vectors or "
                                          "POST /v1/hook/vectors) or pass the values inline")
             digest, norm = known
-            entry["name"] = vec
+            name, raw = vec, None
         else:
             arr = check_vector(vec, hidden, f"{where}.vector", need_norm)
             digest, norm = vector_digest(arr), float(np.linalg.norm(arr.astype(np.float64)))
-            entry["vec"] = arr.tobytes()
+            name, raw = None, arr.tobytes()
         if coef[0] and abs(coef[0]) * norm > bound:
             raise SpecError(f"{where}.scale", f"scale x ||vector|| = {abs(coef[0]) * norm:.3g} exceeds "
                             f"{bound:.3g}, the largest update this model's {model.dtype} residual "
                             "stream can carry without overflowing",
                             f"use |scale| <= {bound / norm:.3g} with this vector")
-        entry["digest"] = digest
-        digests.append([L, sel, pos, coef, digest])
-        wire_steer.append(entry)
+        c_layer.append(L)
+        c_sel.append(sel)
+        c_pos.append(pos)
+        c_coef += coef
+        c_digest.append(digest)
+        c_name.append(name)
+        c_vec.append(raw)
 
-    _check_slots(wire_steer, per_layer, config.max_ops_per_layer)
+    _check_slots(cols["sel"], cols["pos"], per_layer, config.max_ops_per_layer)
     steer_digest = None
-    if wire_steer:
-        # msgpack: lists of ints, floats (inf included) and strings, in a fixed order; a
-        # third of json's time
-        steer_digest = hashlib.sha256(_PACK.encode(digests)).hexdigest()[:24]
+    if spec.steer:
+        # Equal steering: equal layers, tokens, coefficients and vectors (by digest, whatever
+        # their names). msgpack: a third of sorted JSON's time.
+        same = [cols["layer"], cols["sel"], cols["pos"], cols["c"], cols["digest"]]
+        steer_digest = hashlib.sha256(_PACK.encode(same)).hexdigest()[:24]
 
     # Cached prefix tokens are never recomputed, so their activations would not exist.
     # vLLM always recomputes the last prompt token, so only earlier positions force a recompute.
@@ -317,7 +345,7 @@ def resolve(
 
     key = uuid.uuid4().hex
     wire = {"v": WIRE_VERSION, "key": key, "P": prompt_len, "cap": wire_cap,
-            "steer": pack_steer(wire_steer) if wire_steer else []}
+            "steer": pack_steer(cols) if spec.steer else []}
     if steer_digest:
         wire["sd"] = steer_digest      # workers share the table rows of equal steering
     if wire_cap:                       # and the routes of equal captures
@@ -347,7 +375,8 @@ def _check_coefficients(coef: list[float], bound: float, where: str, model: Mode
                             "overflowing", f"use a {name} of at most {bound:.3g} in magnitude")
 
 
-def _check_slots(wire_steer: list[dict], per_layer: dict[int, list[tuple[int, bool]]], K: int) -> None:
+def _check_slots(sels: list[str], poss: list[list[int]], per_layer: dict[int, list[tuple[int, bool]]],
+                 K: int) -> None:
     """At most K ops on any row of a layer (ops on disjoint positions share a slot), and the
     projection math well defined (`routing.op_slots`)."""
     from ..routing import op_slots
@@ -356,7 +385,7 @@ def _check_slots(wire_steer: list[dict], per_layer: dict[int, list[tuple[int, bo
         idx = [i for i, _ in ops]
         if len(idx) == 1:
             continue
-        slots, _, ambiguous = op_slots([(wire_steer[i]["sel"], wire_steer[i]["pos"]) for i in idx])
+        slots, _, ambiguous = op_slots([(sels[i], poss[i]) for i in idx])
         for i, slot in zip(idx, slots):
             if slot >= K:
                 raise SpecError(f"steer[{i}].layer", f"more than {K} steering ops on one token at layer {L}",

@@ -158,16 +158,20 @@ class _Staging:
         self._turn ^= 1
 
 
-def _slots_by_op(ops) -> list[tuple[int, list]]:
-    """(slot, earlier op index per lower slot) of each op of a request's steering."""
+def _slots_by_op(ops: dict[str, list]) -> list[tuple[int, list]]:
+    """(slot, earlier op index per lower slot) of each op of a request's steering (columns,
+    `spec.resolve.unpack_steer`)."""
+    layers = ops["layer"]
+    out: list[tuple[int, list]] = [(0, [])] * len(layers)
+    if len(set(layers)) == len(layers):          # one op per layer (the common case)
+        return out
     by_layer: dict[int, list[int]] = {}
-    for i, op in enumerate(ops):
-        by_layer.setdefault(int(op["layer"]), []).append(i)
-    out: list[tuple[int, list]] = [(0, [])] * len(ops)
+    for i, L in enumerate(layers):
+        by_layer.setdefault(int(L), []).append(i)
     for idx in by_layer.values():
         if len(idx) == 1:
             continue
-        slots, earlier, _ = op_slots([(ops[i]["sel"], ops[i]["pos"]) for i in idx])
+        slots, earlier, _ = op_slots([(ops["sel"][i], ops["pos"][i]) for i in idx])
         for i, s, prev in zip(idx, slots, earlier):
             out[i] = (s, [idx[j] if j is not None and j >= 0 else j for j in prev])
     return out
@@ -421,41 +425,43 @@ class HookRuntime:
         req.steer_share = digest
         return shared.routes
 
-    def _admit_steering(self, req: HookRequest, ops) -> tuple[SteerRoute, ...]:
-        shape = self.bufs.shape
+    def _admit_steering(self, req: HookRequest, ops: dict[str, list]) -> tuple[SteerRoute, ...]:
+        """A new spec's ops (columns: `spec.resolve.unpack_steer`, checked by `check_wire`)
+        into the tables: a vector row per op (shared by digest), an op row each with its
+        parameters, computed as arrays."""
+        shape, tables = self.bufs.shape, self.tables
         K = shape.ops_per_layer
-        params, vec_rows, cols, sels = [], [], [], []
+        n = len(ops["layer"])
         slot_of = _slots_by_op(ops)
-        tables, no_gram = self.tables, [0.0] * (K - 1)
+        digests, row_of = ops["digest"], {}
         try:
-            for i, op in enumerate(ops):
-                values = np.frombuffer(op["vec"], dtype=np.float32) if "vec" in op else self.named[op["name"]]
-                row = tables.acquire_vector(op["digest"], values)
-                req.vec_rows.append(row)
-                vec_rows.append(row)
-                slot, prev = slot_of[i]
-                cols.append(op_col(shape, int(op["layer"]), slot))
-                c_add, c_norm, c_abl, lo, hi = op["c"]        # numbers: `check_wire`
-                # G with the op each lower slot holds on this op's rows (none: 0; several:
-                # refused at admission when it matters, see spec.resolve._check_slots).
-                # Most ops are alone on their layer: no products (a 28-op spec's were most
-                # of a distinct spec's admission).
+            for d in dict.fromkeys(digests):     # each distinct vector once (a spec mostly has one)
+                i, refs = digests.index(d), digests.count(d)
+                vec = ops["vec"][i]
+                values = np.frombuffer(vec, dtype=np.float32) if vec is not None else self.named[ops["name"][i]]
+                row_of[d] = tables.acquire_vector(d, values, refs)
+                req.vec_rows += [row_of[d]] * refs
+            vec_rows = [row_of[d] for d in digests]
+            params = np.zeros((n, 4 + K))
+            params[:, :5] = np.asarray(ops["c"], dtype=np.float64).reshape(n, 5)
+            params[:, 0] *= [tables.norms[row] for row in vec_rows]
+            # G with the op each lower slot holds on this op's rows (none: 0; several:
+            # refused at admission when it matters, see spec.resolve._check_slots). Most ops
+            # are alone on their layer: no products.
+            for i, (_, prev) in enumerate(slot_of):
                 if prev and any(j is not None and j >= 0 for j in prev):
-                    u = tables.units[row].astype(np.float64)
-                    gram = [float(np.dot(u, tables.units[vec_rows[j]])) if j is not None and j >= 0 else 0.0
-                            for j in prev]
-                    gram += [0.0] * (K - 1 - len(gram))
-                else:
-                    gram = no_gram
-                params.append([float(c_add) * tables.norms[row], float(c_norm), float(c_abl), float(lo), float(hi),
-                               *gram])
-                sels.append((op["sel"], tuple(op["pos"])))
-            req.op_rows = self.tables.acquire_ops(params)
+                    u = tables.units[vec_rows[i]].astype(np.float64)
+                    for k, j in enumerate(prev):
+                        if j is not None and j >= 0:
+                            params[i, 5 + k] = float(np.dot(u, tables.units[vec_rows[j]]))
+            req.op_rows = tables.acquire_ops(list(params))
         except Exception:
             self._release_tables(req)
             raise
-        return tuple(SteerRoute(c, pack_op(r, v), s, p)
-                     for c, r, v, (s, p) in zip(cols, req.op_rows, vec_rows, sels))
+        cols = op_col(shape, np.asarray(ops["layer"], dtype=np.int64),
+                      np.asarray([slot for slot, _ in slot_of], dtype=np.int64)).tolist()
+        entries = pack_op(np.asarray(req.op_rows, dtype=np.int64), np.asarray(vec_rows, dtype=np.int64)).tolist()
+        return tuple(SteerRoute(c, e, s, tuple(p)) for c, e, s, p in zip(cols, entries, ops["sel"], ops["pos"]))
 
     def _release_tables(self, req: HookRequest) -> None:
         if req.steer_share is not None:

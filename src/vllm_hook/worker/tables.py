@@ -34,7 +34,9 @@ class DeviceTables:
         self._ops: list[tuple[int, list[float]]] = []     # queued writes: row, params
         self._vecs: list[tuple[int, np.ndarray]] = []     # row, unit vector
 
-    def acquire_vector(self, digest: str, values: np.ndarray) -> int:
+    def acquire_vector(self, digest: str, values: np.ndarray, refs: int = 1) -> int:
+        """The row of the vector `digest` (written from `values` when new), `refs` references
+        more (each released by its own `release_vector`)."""
         row = self._vec_rows.get(digest)
         if row is None:
             if not self._free_vecs:
@@ -50,7 +52,7 @@ class DeviceTables:
             self._vec_rows[digest] = row
             self._vec_digest[row] = digest
             self._vec_refs[row] = 0
-        self._vec_refs[row] += 1
+        self._vec_refs[row] += refs
         return row
 
     def release_vector(self, row: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..model.layout import PointTable
+from ..spec.resolve import STEER_COLUMNS
 
 SELECTORS = ("all", "prompt", "generated", "last_prompt", "last", "pos")
 MAX_POSITION = 1 << 40          # far beyond any max_model_len; far inside int64
@@ -47,20 +48,38 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, ste
         if not points.has(c.get("site"), L):
             raise ValueError(f"{what}: site {c.get('site')!r} is not instrumented at layer {L}")
         _selector(c, what)
-    steer = wire.get("steer", ()) if steer_ops else ()
+    steer = wire.get("steer") if steer_ops else None
     if not steer:
         return
+    # Columns (`spec.resolve.unpack_steer`): one array per field, not a loop over the ops
     try:
-        layers = np.asarray([op["layer"] for op in steer])
-        coef = np.asarray([op["c"] for op in steer], dtype=np.float64)
+        n = len(steer["layer"])
+        if any(len(steer[k]) != n for k in STEER_COLUMNS if k != "c"):
+            raise ValueError("columns of different lengths")
+        layers = np.asarray(steer["layer"])
+        coef = np.asarray(steer["c"], dtype=np.float64)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"steering ops are malformed ({e})") from None
-    if layers.dtype.kind not in "iu" or layers.min() < 0 or layers.max() >= num_layers:
+    if n == 0 or layers.dtype.kind not in "iu" or layers.min() < 0 or layers.max() >= num_layers:
         raise ValueError(f"steering layers {layers.tolist()} are not integers in [0, {num_layers})")
-    if coef.shape != (len(steer), 5) or np.isnan(coef).any() or not np.isfinite(coef[:, :3]).all():
+    if coef.shape != (5 * n,):
         raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
-    for i, op in enumerate(steer):
-        if op.get("sel") != "all" or op.get("pos"):
-            _selector(op, f"steering op {i}")
-        if "vec" in op and len(op["vec"]) != 4 * hidden:
-            raise ValueError(f"steering op {i}: vector of {len(op['vec'])} bytes, expected {4 * hidden}")
+    coef = coef.reshape(n, 5)
+    if np.isnan(coef).any() or not np.isfinite(coef[:, :3]).all():
+        raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
+    sels, poss, names, vecs = steer["sel"], steer["pos"], steer["name"], steer["vec"]
+    # Whole columns first (C loops); op by op only where they do not pass
+    if set(sels) != {"all"} or poss.count([]) != n:
+        for i, (sel, pos) in enumerate(zip(sels, poss)):
+            if sel != "all" or pos or not isinstance(pos, (list, tuple)):
+                _selector({"sel": sel, "pos": pos}, f"steering op {i}")
+    if set(map(type, steer["digest"])) != {str}:
+        raise ValueError("steering ops without a vector digest")
+    if vecs.count(None) != n or set(map(type, names)) != {str}:
+        for i, (name, vec) in enumerate(zip(names, vecs)):
+            if vec is None:
+                if not isinstance(name, str):
+                    raise ValueError(f"steering op {i}: neither a vector nor a registered name")
+            elif not isinstance(vec, (bytes, bytearray)) or len(vec) != 4 * hidden:
+                got = len(vec) if isinstance(vec, (bytes, bytearray)) else repr(vec)
+                raise ValueError(f"steering op {i}: vector of {got} bytes, expected {4 * hidden}")

@@ -1,0 +1,60 @@
+"""The worker's check of a wire's steering columns (`worker.wire.check_wire`): every malformed
+value names the op and what is wrong, whether the ops came packed or as a hand-made list."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from vllm_hook.config import HookConfig
+from vllm_hook.model.layout import PointTable
+from vllm_hook.spec.resolve import pack_steer, steer_ops, unpack_steer
+from vllm_hook.worker.wire import check_wire
+
+L, H = 4, 8
+POINTS = PointTable.for_config(L, HookConfig())
+OK = {"layer": 1, "sel": "all", "pos": [], "c": [1.0, 0.0, 0.0, -math.inf, math.inf], "digest": "d", "name": "v"}
+
+
+def check(ops: list[dict]) -> None:
+    check_wire({"P": 8, "steer": unpack_steer(ops)}, L, H, POINTS)
+
+
+def test_packed_and_hand_made_ops_read_the_same():
+    ops = [OK, {**OK, "layer": 3, "sel": "pos", "pos": [2, 5], "name": None,
+                "vec": np.ones(H, np.float32).tobytes()}]
+    packed = unpack_steer(pack_steer(ops))
+    assert packed == unpack_steer(ops)
+    assert packed["c"] == OK["c"] * 2                      # flat, five an op
+    assert steer_ops(pack_steer(ops))[1]["pos"] == [2, 5]
+    check(ops)
+    check_wire({"P": 8, "steer": packed}, L, H, POINTS)
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"layer": L}, "not integers in [0, 4)"),
+    ({"layer": "1"}, "not integers"),
+    ({"c": [math.nan, 0.0, 0.0, 0.0, 0.0]}, "coefficients"),
+    ({"c": [math.inf, 0.0, 0.0, 0.0, 0.0]}, "coefficients"),
+    ({"c": [1.0, 0.0, 0.0, 0.0]}, "coefficients"),
+    ({"c": None}, "coefficients"),
+    ({"sel": "some"}, "steering op 1: unknown selector 'some'"),
+    ({"sel": "pos", "pos": [-1]}, "steering op 1 position -1"),
+    ({"pos": None}, "steering op 1: positions are not a list"),
+    ({"digest": None}, "digest"),
+    ({"name": None}, "steering op 1: neither a vector nor a registered name"),
+    ({"name": None, "vec": b"\0" * 3}, "steering op 1: vector of 3 bytes, expected 32"),
+])
+def test_malformed_steering_ops(bad, words):
+    with pytest.raises(ValueError) as e:
+        check([OK, {**OK, **bad}])
+    assert words in str(e.value)
+
+
+def test_columns_of_different_lengths():
+    cols = unpack_steer([OK, OK])
+    cols["sel"] = ["all"]
+    with pytest.raises(ValueError, match="malformed"):
+        check_wire({"P": 8, "steer": cols}, L, H, POINTS)
