@@ -433,14 +433,18 @@ class HookRuntime:
         K = shape.ops_per_layer
         n = len(ops["layer"])
         slot_of = _slots_by_op(ops)
-        digests, row_of = ops["digest"], {}
+        digests, first, refs, row_of = ops["digest"], {}, {}, {}
+        for i, d in enumerate(digests):          # each distinct vector once (a spec mostly has one)
+            if d in refs:
+                refs[d] += 1
+            else:
+                first[d], refs[d] = i, 1
         try:
-            for d in dict.fromkeys(digests):     # each distinct vector once (a spec mostly has one)
-                i, refs = digests.index(d), digests.count(d)
+            for d, i in first.items():
                 vec = ops["vec"][i]
                 values = np.frombuffer(vec, dtype=np.float32) if vec is not None else self.named[ops["name"][i]]
-                row_of[d] = tables.acquire_vector(d, values, refs)
-                req.vec_rows += [row_of[d]] * refs
+                row_of[d] = tables.acquire_vector(d, values, refs[d])
+                req.vec_rows += [row_of[d]] * refs[d]
             vec_rows = [row_of[d] for d in digests]
             params = np.zeros((n, 4 + K))
             params[:, :5] = np.asarray(ops["c"], dtype=np.float64).reshape(n, 5)

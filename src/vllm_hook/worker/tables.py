@@ -9,6 +9,8 @@ would wait for the GPU to finish every queued step first).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -31,7 +33,7 @@ class DeviceTables:
         self._vec_digest: dict[int, str] = {}
         self.units: dict[int, np.ndarray] = {}   # row -> unit vector (host copy, for u.u)
         self.norms: dict[int, float] = {}
-        self._ops: list[tuple[int, list[float]]] = []     # queued writes: row, params
+        self._ops: list[tuple[int, Any]] = []             # queued writes: row, params (a list or array)
         self._vecs: list[tuple[int, np.ndarray]] = []     # row, unit vector
 
     def acquire_vector(self, digest: str, values: np.ndarray, refs: int = 1) -> int:
