@@ -25,10 +25,11 @@ def check(ops: list[dict]) -> None:
 def test_packed_and_hand_made_ops_read_the_same():
     ops = [OK, {**OK, "layer": 3, "sel": "pos", "pos": [2, 5], "name": None,
                 "vec": np.ones(H, np.float32).tobytes()}]
-    packed = unpack_steer(pack_steer(ops))
+    blob = pack_steer(unpack_steer(ops))
+    packed = unpack_steer(blob)
     assert packed == unpack_steer(ops)
     assert packed["c"] == OK["c"] * 2                      # flat, five an op
-    assert steer_ops(pack_steer(ops))[1]["pos"] == [2, 5]
+    assert steer_ops(blob)[1]["pos"] == [2, 5]
     check(ops)
     check_wire({"P": 8, "steer": packed}, L, H, POINTS)
 

@@ -30,14 +30,14 @@ _PACK = msgspec.msgpack.Encoder()
 STEER_COLUMNS = ("layer", "sel", "pos", "c", "digest", "name", "vec")
 
 
-def pack_steer(ops: dict[str, list] | list[dict]) -> bytes:
+def pack_steer(cols: dict[str, list]) -> bytes:
     """A wire's steering ops as one msgpack blob of columns (`STEER_COLUMNS`; "c" flat, five
     numbers an op; "name" or "vec" None where the op has the other): vLLM serialises each
     request's extra_args to the engine core field by field (24 µs a request on the CPU to
     decode a 28-op list), a blob in one piece, and columns let the worker check and admit a
     new spec's ops in array operations. A worker whose requests already steer alike never
-    opens it. `ops`: columns, or a list of op dicts."""
-    return _PACK.encode(_columns(ops) if isinstance(ops, list) else ops)
+    opens it."""
+    return _PACK.encode(cols)
 
 
 def _columns(ops: list[dict]) -> dict[str, list]:
