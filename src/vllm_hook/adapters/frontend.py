@@ -41,12 +41,6 @@ def input_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, TypeError, VLLMClientError)
 
 
-# Checked at engine construction (here) and again on each worker (adapters/common.py).
-PP_HOOKS = ("vllm_hook: Python hooks (additional_config vllm_hook.hook_layers) are not supported with "
-            "pipeline parallelism yet; captures and steering are. Use tensor parallelism for hooks, or "
-            "start the engine without hook_layers")
-
-
 def _stamp_config(orig):
     def create_engine_config(self, *args, **kwargs):
         from vllm.config import CompilationMode
@@ -60,8 +54,6 @@ def _stamp_config(orig):
                         "one graph, which must not contain hook points: running eagerly")
             self.enforce_eager = True
         vllm_config = orig(self, *args, **kwargs)
-        if cfg.hook_layers and vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError(PP_HOOKS)
         cc = vllm_config.compilation_config
         if not cfg.index_asserts:
             # Before the model is built: vLLM copies these options into its compile backend then.

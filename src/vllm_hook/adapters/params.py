@@ -37,8 +37,23 @@ class ModelAccess:
         for cand in (name, *_ALIASES.get(name, ())):
             if cand in params:
                 return cand, params[cand]
+        if self._other_stage(name):
+            raise KeyError(f"parameter {name!r} is another pipeline stage's: a hook reads the parameters "
+                           "of the stage that runs its layer (e.g. lm_head and model.norm are the last "
+                           "stage's)")
         near = sorted(n for n in params if n.split(".")[-1] == name.split(".")[-1])[:8]
         raise KeyError(f"the model has no parameter {name!r} (vLLM's names; e.g. {near or sorted(params)[:8]})")
+
+    def _other_stage(self, name: str) -> bool:
+        """Whether a module on `name`'s path is a placeholder for another stage's."""
+        mod = self.model
+        for part in name.split(".")[:-1]:
+            mod = getattr(mod, part, None)
+            if mod is None:
+                return False
+            if type(mod).__name__ == "PPMissingLayer":
+                return True
+        return False
 
     def _gather(self, name: str) -> torch.Tensor:
         found, p = self._find(name)
@@ -55,6 +70,11 @@ class ModelAccess:
         if vocab is not None and t.shape[0] > vocab:
             t = t[:vocab]                      # vLLM pads the vocabulary; the checkpoint does not
         return t
+
+    @property
+    def has_final_norm(self) -> bool:
+        """False on a pipeline stage before the last (the final norm is the last stage's)."""
+        return self._norm is not None
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own final norm applied to `h` (what the unembedding reads)."""

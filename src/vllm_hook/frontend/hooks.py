@@ -38,9 +38,13 @@ def collect_args(st: FrontendState) -> tuple:
 
 
 def collected(replies: Sequence[Any]) -> dict[str, list[dict]]:
-    """{request id: [saved dict of each persistent hook]} from the workers' replies."""
-    reply = checked(replies)[0]
-    return state.decode_collected(reply.get("blob", b"")) if reply else {}
+    """{request id: [saved dict of each persistent hook]} from the workers' replies: TP rank 0
+    of each pipeline stage replies (in stage order), the others reply empty."""
+    stages = [state.decode_collected(r["blob"]) for r in checked(replies) if r and r.get("blob")]
+    if len(stages) <= 1:
+        return stages[0] if stages else {}
+    ids = list(dict.fromkeys(rid for s in stages for rid in s))
+    return {rid: state.merge_stages([s.get(rid, []) for s in stages]) for rid in ids}
 
 
 def cleared(st: FrontendState) -> None:

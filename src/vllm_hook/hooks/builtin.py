@@ -84,6 +84,9 @@ def logit_lens(layers: list[int], k: int = 5, tokens: Literal["all", "last"] = "
     waiting: list[tuple] = []       # (layer, normed rows, requests, segments) of this pass so far
 
     def fn(ctx, h):
+        if not getattr(ctx._params, "has_final_norm", True):
+            raise ValueError(f"logit_lens at layer {ctx.layer_idx}: this pipeline stage has no final norm "
+                             "(the last stage's); give the lens layers of the last stage")
         if tokens == "last" and len(ctx.segments) < h.shape[0]:
             ends = torch.tensor([a + n - 1 for a, n in ctx.segments])
             h = h.index_select(0, upload(ends, h.device))

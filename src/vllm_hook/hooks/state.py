@@ -422,3 +422,32 @@ def decode_collected(blob: bytes) -> dict[str, list[dict]]:
     meta = json.loads(json.loads(blob[8:8 + n]).get("__metadata__", {}).get("vllm_hook", "{}"))
     trees = decode(meta.get("hooks", []), tensors)
     return {rid: [dict(t) for t in tree] for rid, tree in zip(meta.get("ids", []), trees)}
+
+
+def merge_stages(stages: list[list[dict]]) -> list[dict]:
+    """Each hook's `saved` from every pipeline stage (stage order; each stage runs the hook at
+    its own layers) as one dict per hook: a key saved on one stage as it is; lists (what
+    `ctx.save` makes) saved under one key on several stages joined in stage order, dicts merged
+    key by key alike; any other value saved under one key on a later stage too comes back as
+    `"{key}@stage{s}"`, nothing dropped."""
+    if len(stages) == 1:
+        return stages[0]
+    n = max(len(s) for s in stages)
+    merged: list[dict] = [{} for _ in range(n)]
+    for stage, saved in enumerate(stages):
+        for out, d in zip(merged, saved):
+            _merge_into(out, d, stage)
+    return merged
+
+
+def _merge_into(out: dict, d: dict, stage: int) -> None:
+    for k, v in d.items():
+        if k not in out:
+            out[k] = v
+        elif isinstance(out[k], list) and isinstance(v, list):
+            out[k] = out[k] + v
+        elif isinstance(out[k], dict) and isinstance(v, dict):
+            out[k] = dict(out[k])
+            _merge_into(out[k], v, stage)
+        else:
+            out[f"{k}@stage{stage}"] = v
