@@ -256,6 +256,18 @@ def test_pp2_served_hooks_equal_tp1(eager_runs):
                  env_extra={"VLLM_CPU_OMP_THREADS_BIND": _bind()}) as srv, \
             vllm_hook.Client(srv.url, api_key=API_KEY) as client:
         got = client.generate(ids, SERVED_SPEC, max_tokens=5, temperature=0)
+        # Each stage gathers its own parameters; the names cached come back from both.
+        assert client.prefetch_params(["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]) == [
+            "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+        # A persistent hook at layers of both stages: one request's results, merged.
+        assert client.register_hooks([{"name": "stream_norms", "args": {"layers": [1, 2]}}]) == 1
+        plain = client.generate(ids, {"capture": [{"layers": [1, 2]}]}, max_tokens=2, temperature=0).results
+        kept = client.collect_hook_results()
+        client.clear_hooks()
+    assert len(kept) == 1
+    norms = next(iter(kept.values()))[0]
+    for L in (1, 2):
+        assert rel_err(torch.cat(norms[f"layer{L}"]), plain.activations["resid_post"][L].norm(dim=-1)) <= TOL
     r = got.results
     assert r.ok, r.errors
     assert len(tokens) == 5 and list(got.token_ids) == tokens

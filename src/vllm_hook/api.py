@@ -61,7 +61,7 @@ def clear_hooks(llm: Any) -> None:
 def prefetch_params(llm: Any, names: Sequence[str]) -> list[str]:
     """Gather model parameters for `ctx.get_parameter` ahead of time on every worker (over
     tensor-parallel ranks; needed before hooks run when parameters live on other stages)."""
-    return list(checked(llm.collective_rpc(RPC, args=("prefetch_params", list(names))))[0])
+    return _hooks.prefetched(llm.collective_rpc(RPC, args=("prefetch_params", list(names))))
 
 
 __all__ = ["register_vectors", "delete_vectors", "stats", "register_hooks", "collect_hook_results",

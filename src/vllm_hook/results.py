@@ -213,12 +213,15 @@ def _hook_results(ranks, n: int, errors: list[str]) -> list[dict]:
     """The saved dicts of the request's n hooks, from TP rank 0 (every TP rank runs the hooks)
     of each pipeline stage (each runs them at its own layers), merged (`state.merge_stages`)."""
     stages = [meta for _, meta in ranks if meta.get("rank", 0) == 0] if len(ranks) > 1 else [m for _, m in ranks]
-    if not stages or any("hooks" not in m for m in stages):
-        if not errors:
-            errors.append("no hook results arrived from the workers for this request")
+    missing = [m.get("pp_rank", 0) for m in stages if "hooks" not in m]
+    stages = [m for m in stages if "hooks" in m]
+    if missing and not errors:
+        errors.append("no hook results arrived from the workers for this request"
+                      + (f" (pipeline stage {missing[0]})" if stages else ""))
+    if not stages:
         return [{} for _ in range(n)]
     got = state.merge_stages([[dict(g) if isinstance(g, dict) else {} for g in state.decode(m["hooks"], m.get("tensors", {}))]
-                              for m in stages])
+                              for m in stages], [m.get("pp_rank", 0) for m in stages])
     return got + [{}] * (n - len(got))
 
 

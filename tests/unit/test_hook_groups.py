@@ -253,3 +253,19 @@ def test_hook_graphs_only_for_graphable_hooks_and_dropped_when_the_batch_changes
     _steps(wh, reqs, 0, 10)
     assert wh.timing["graph_refusals"] == 1 and wh.timing["graph_captures"] == 0
     assert not any(r.spec[0].failed for r in reqs) and len(reqs[0].spec[0].ctx.saved["n"]) == 10
+
+
+def test_a_stage_plans_only_its_own_hook_points():
+    """Pipeline parallelism: stage 0 holds layers 0 and 1 (hook points 0 to 2). A hook at
+    layers 1 and 3 runs at its layer 1 there; one at layer 3 only has nothing to plan (its
+    points are the last stage's), so a read-only step's copies are only the stage's own."""
+    wh = WorkerHooks(_Access(), 4, {2, 3, 4}, HookConfig(hook_layers="all"), 1e4, local={0, 1, 2})
+    seen = []
+    wh._built["both"] = Hook(lambda ctx, h: seen.append(("both", ctx.layer_idx)), [1, 3], batched=True)
+    wh._built["later"] = Hook(lambda ctx, h: seen.append(("later", ctx.layer_idx)), [3])
+    rh = wh.for_request("a", 8, [{"i": 0, "digest": "both"}, {"i": 1, "digest": "later"}], [])
+    assert [inst.points for inst in rh.spec] == [((2, 1, False),), ()]
+    wh.plan([(rh, 0, 2, 8)])
+    assert sorted(wh._plan) == [2]
+    wh.run(2, torch.zeros(2, 4), None)
+    assert seen == [("both", 1)]

@@ -48,6 +48,20 @@ def test_another_stages_parameter_is_named():
             access(name)
     with pytest.raises(KeyError, match="has no parameter"):
         access("model.layers.1.bias_x")
-    assert not access.has_final_norm
-    with pytest.raises(AttributeError, match="last stage's"):
+    assert access.norm_elsewhere
+    with pytest.raises(AttributeError, match="last pipeline stage's"):
         access.final_norm(torch.zeros(1, 4))
+    # Stage 0 holds the embedding; lm_head is the last stage's unless the two are tied.
+    model.model.embed_tokens = torch.nn.Embedding(8, 4)
+    model.lm_head = PPMissingLayer()
+    for tied in (False, True):
+        model.config = type("Config", (), {"tie_word_embeddings": tied})()
+        access = ModelAccess(model)
+        if tied:
+            assert access("lm_head.weight").data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        else:
+            with pytest.raises(KeyError, match="another pipeline stage's"):
+                access("lm_head.weight")
+        # prefetch gathers this stage's names and leaves the others' to them
+        assert access.prefetch(["model.layers.1.weight", "model.norm.weight", "lm_head.weight"]) == (
+            ["lm_head.weight", "model.layers.1.weight"] if tied else ["model.layers.1.weight"])

@@ -74,9 +74,12 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
     pp_rank = get_pp_group().rank_in_group if pp > 1 else 0
     tp = vllm_config.parallel_config.tensor_parallel_size
     hooks = None
+    mine = local_layers(find_layers(model))
     if cfg.hook_layers:
+        # A hook point sits after a layer (0: before the first): this stage's layers' points.
+        local = {i + 1 for i in mine} | ({0} if 0 in mine else set())
         hooks = WorkerHooks(ModelAccess(model, rank, tp), info.num_layers, cfg.hook_boundaries(info.num_layers),
-                            cfg, steer_bound(info, cfg.max_ops_per_layer), rank, tp)
+                            cfg, steer_bound(info, cfg.max_ops_per_layer), rank, tp, local)
         param = next(model.parameters())
         kernels.warm(param.device, vllm_config.model_config.dtype, info.hidden_size,
                      vllm_config.model_config.get_vocab_size())
@@ -84,7 +87,7 @@ def setup_runtime(runner: Any, model: Any, vllm_config: Any) -> HookRuntime:
                                      max_num_seqs=sc.max_num_seqs, dtype=vllm_config.model_config.dtype,
                                      hook_owner=hooks.owner if hooks else 0)
     rt = HookRuntime(bufs, points, cfg, rank=rank, attn_layers=layer_infos(attns, runner, rank, info),
-                     hooks=hooks, pp_rank=pp_rank, local_layers=local_layers(find_layers(model)))
+                     hooks=hooks, pp_rank=pp_rank, local_layers=mine)
     runner.__dict__[RT_ATTR] = rt
     log.info("vllm_hook: instrumented %d layers (sites %s) for vLLM %s, %s runner; device buffers "
              "%.1f MiB", info.num_layers, ",".join(cfg.sites), version, type(runner).__module__,

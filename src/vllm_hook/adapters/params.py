@@ -17,7 +17,9 @@ class ModelAccess:
         self.model, self.tp_rank, self.tp_size = model, tp_rank, tp_size
         self._cache: dict[str, torch.Tensor] = {}
         self._norm = getattr(getattr(model, "model", None), "norm", None)
-        if type(self._norm).__name__ == "PPMissingLayer":       # the last pipeline stage's
+        # With pipeline parallelism the final norm is the last stage's.
+        self.norm_elsewhere = type(self._norm).__name__ == "PPMissingLayer"
+        if self.norm_elsewhere:
             self._norm = None
         self._fast_norm = _direct_rms_norm(self._norm)
 
@@ -28,21 +30,30 @@ class ModelAccess:
         return t
 
     def prefetch(self, names: list[str]) -> list[str]:
+        """Gather `names` now (those of other pipeline stages are theirs to gather)."""
         for n in names:
-            self(n)
+            if not self._other_stage(n) or self._tied(n):
+                self(n)
         return sorted(self._cache)
 
     def _find(self, name: str) -> tuple[str, torch.nn.Parameter]:
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        for cand in (name, *_ALIASES.get(name, ())):
+        if name in params:
+            return name, params[name]
+        if self._other_stage(name) and not self._tied(name):
+            raise KeyError(f"parameter {name!r} is another pipeline stage's: a hook reads the parameters "
+                           "of the stage that holds its hook point (e.g. lm_head and model.norm are the "
+                           "last stage's)")
+        for cand in _ALIASES.get(name, ()):
             if cand in params:
                 return cand, params[cand]
-        if self._other_stage(name):
-            raise KeyError(f"parameter {name!r} is another pipeline stage's: a hook reads the parameters "
-                           "of the stage that runs its layer (e.g. lm_head and model.norm are the last "
-                           "stage's)")
         near = sorted(n for n in params if n.split(".")[-1] == name.split(".")[-1])[:8]
         raise KeyError(f"the model has no parameter {name!r} (vLLM's names; e.g. {near or sorted(params)[:8]})")
+
+    def _tied(self, name: str) -> bool:
+        """Whether `name` is another name of a tensor this stage holds (tied embeddings)."""
+        config = getattr(self.model, "config", None)
+        return name in _ALIASES and bool(getattr(config, "tie_word_embeddings", False))
 
     def _other_stage(self, name: str) -> bool:
         """Whether a module on `name`'s path is a placeholder for another stage's."""
@@ -71,16 +82,11 @@ class ModelAccess:
             t = t[:vocab]                      # vLLM pads the vocabulary; the checkpoint does not
         return t
 
-    @property
-    def has_final_norm(self) -> bool:
-        """False on a pipeline stage before the last (the final norm is the last stage's)."""
-        return self._norm is not None
-
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """The model's own final norm applied to `h` (what the unembedding reads)."""
         if self._norm is None:
-            raise AttributeError(f"{type(self.model).__name__} has no model.norm on this worker (with "
-                                 "pipeline parallelism it is the last stage's)")
+            raise AttributeError(f"{type(self.model).__name__} has no model.norm on this worker"
+                                 + (" (it is the last pipeline stage's)" if self.norm_elsewhere else ""))
         if self._fast_norm is not None:
             return self._fast_norm(h)
         out = self._norm(h)

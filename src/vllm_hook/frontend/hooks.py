@@ -40,11 +40,27 @@ def collect_args(st: FrontendState) -> tuple:
 def collected(replies: Sequence[Any]) -> dict[str, list[dict]]:
     """{request id: [saved dict of each persistent hook]} from the workers' replies: TP rank 0
     of each pipeline stage replies (in stage order), the others reply empty."""
-    stages = [state.decode_collected(r["blob"]) for r in checked(replies) if r and r.get("blob")]
+    got = [r for r in checked(replies) if r and r.get("blob")]
+    stages = [state.decode_collected(r["blob"]) for r in got]
     if len(stages) <= 1:
         return stages[0] if stages else {}
     ids = list(dict.fromkeys(rid for s in stages for rid in s))
-    return {rid: state.merge_stages([s.get(rid, []) for s in stages]) for rid in ids}
+    numbers = [r.get("pp_rank", i) for i, r in enumerate(got)]
+    return {rid: state.merge_stages([s.get(rid, []) for s in stages], numbers) for rid in ids}
+
+
+def collected_blob(replies: Sequence[Any]) -> bytes:
+    """The collect replies as one safetensors blob (served): a stage's own, or, with several
+    pipeline stages, their merged results encoded again."""
+    got = [r for r in checked(replies) if r and r.get("blob")]
+    if len(got) <= 1:
+        return got[0]["blob"] if got else b""
+    return state.encode_collected(collected(replies))
+
+
+def prefetched(replies: Sequence[Any]) -> list[str]:
+    """The parameter names cached on the workers (each pipeline stage gathers its own)."""
+    return sorted({n for r in checked(replies) for n in r})
 
 
 def cleared(st: FrontendState) -> None:

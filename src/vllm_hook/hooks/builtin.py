@@ -84,7 +84,7 @@ def logit_lens(layers: list[int], k: int = 5, tokens: Literal["all", "last"] = "
     waiting: list[tuple] = []       # (layer, normed rows, requests, segments) of this pass so far
 
     def fn(ctx, h):
-        if not getattr(ctx._params, "has_final_norm", True):
+        if getattr(ctx._params, "norm_elsewhere", False):
             raise ValueError(f"logit_lens at layer {ctx.layer_idx}: this pipeline stage has no final norm "
                              "(the last stage's); give the lens layers of the last stage")
         if tokens == "last" and len(ctx.segments) < h.shape[0]:

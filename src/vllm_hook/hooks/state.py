@@ -424,17 +424,17 @@ def decode_collected(blob: bytes) -> dict[str, list[dict]]:
     return {rid: [dict(t) for t in tree] for rid, tree in zip(meta.get("ids", []), trees)}
 
 
-def merge_stages(stages: list[list[dict]]) -> list[dict]:
+def merge_stages(stages: list[list[dict]], numbers: list[int] | None = None) -> list[dict]:
     """Each hook's `saved` from every pipeline stage (stage order; each stage runs the hook at
     its own layers) as one dict per hook: a key saved on one stage as it is; lists (what
     `ctx.save` makes) saved under one key on several stages joined in stage order, dicts merged
     key by key alike; any other value saved under one key on a later stage too comes back as
-    `"{key}@stage{s}"`, nothing dropped."""
+    `"{key}@stage{s}"` (s: the stage's number in `numbers`, else its index), nothing dropped."""
     if len(stages) == 1:
         return stages[0]
     n = max(len(s) for s in stages)
     merged: list[dict] = [{} for _ in range(n)]
-    for stage, saved in enumerate(stages):
+    for stage, saved in zip(numbers or range(len(stages)), stages):
         for out, d in zip(merged, saved):
             _merge_into(out, d, stage)
     return merged

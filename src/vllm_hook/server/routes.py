@@ -224,7 +224,7 @@ async def register_hooks(request: Request):
 async def collect_hooks(request: Request):
     async def work(engine, sv):
         replies = await _worker_call(engine, *_hooks.collect_args(sv.frontend))
-        blob = (replies[0] or {}).get("blob", b"")
+        blob = _hooks.collected_blob(replies)
         return {"format": "safetensors", "data": pybase64.b64encode_as_string(blob) if blob else None}
     return await _hooks_route(request, work)
 
@@ -249,7 +249,7 @@ async def clear_hooks(request: Request):
 async def prefetch(request: Request):
     async def work(engine, sv):
         names = await _list_field(request, "names", '{"names": ["lm_head.weight"]}', str)
-        return {"cached": (await _worker_call(engine, "prefetch_params", names))[0]}
+        return {"cached": _hooks.prefetched(await _worker_call(engine, "prefetch_params", names))}
     return await _hooks_route(request, work)
 
 

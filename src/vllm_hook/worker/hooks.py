@@ -71,8 +71,11 @@ class RequestHooks:
 
 class WorkerHooks:
     def __init__(self, access: Any, num_layers: int, boundaries: set[int], cfg: Any,
-                 bound: float, tp_rank: int = 0, tp_size: int = 1):
+                 bound: float, tp_rank: int = 0, tp_size: int = 1, local: set[int] | None = None):
         self.access, self.num_layers, self.boundaries = access, num_layers, set(boundaries)
+        # The hook points this worker's layers hold (pipeline parallelism: its stage's); a
+        # hook's points elsewhere are other stages' to run.
+        self.local = self.boundaries if local is None else self.boundaries & set(local)
         self.cfg, self.bound, self.tp_rank, self.tp_size = cfg, bound, tp_rank, tp_size
         self.owner = new_owner(self)
         # Per hook point: the stream copied there by the FULL graphs' read-only twins
@@ -118,7 +121,8 @@ class WorkerHooks:
             b = L if hook.pre else L + 1
             if b not in self.boundaries:
                 raise ValueError(f"layer {L} has no hook point in this engine (hook_layers)")
-            pts.append((b, L, hook.pre))
+            if b in self.local:
+                pts.append((b, L, hook.pre))
         return tuple(pts)
 
     def _instance(self, index: int, hook: Hook, req_id: str, prompt_len: int, errors: list[str],
@@ -161,7 +165,7 @@ class WorkerHooks:
         groups: dict[tuple, _Group] = {}
         for rh, start, count, first in entries:
             for inst in rh.all:
-                if inst.failed:
+                if inst.failed or not inst.points:       # no points: its layers are other stages'
                     continue
                 self._tick(inst)
                 if inst.hook.batched:

@@ -801,7 +801,7 @@ class HookRuntime:
                         self._finish_hooks(req)
                 if self.rank != 0:
                     return {}
-                return {"blob": encode_collected({ids(r): t for r, t in h.collect().items()})}
+                return {"blob": encode_collected({ids(r): t for r, t in h.collect().items()}), "pp_rank": self.pp_rank}
             if op == "clear_hook_results":
                 return h.clear_results()
             if op == "clear_hooks":
