@@ -269,3 +269,17 @@ def test_a_stage_plans_only_its_own_hook_points():
     assert sorted(wh._plan) == [2]
     wh.run(2, torch.zeros(2, 4), None)
     assert seen == [("both", 1)]
+
+
+def test_a_read_only_step_without_a_points_copy_fails_its_hooks_not_the_step():
+    """After a read-only twin's replay the hooks run on the copies; a point without one (a bug
+    of ours) fails those requests' hooks with a message and leaves the step alone."""
+    wh = WorkerHooks(_Access(), 4, {2, 3}, HookConfig(hook_layers="all"), 1e4)
+    seen = []
+    wh._built["d"] = Hook(lambda ctx, h: seen.append(ctx.layer_idx), [1, 2], batched=True, read_only=True)
+    rh = wh.for_request("a", 8, [{"i": 0, "digest": "d"}], [])
+    wh.plan([(rh, 0, 1, 8)])
+    wh.copies[3] = torch.zeros(4, 4)          # point 2's copy missing
+    wh.run_copies()
+    assert rh.spec[0].failed and "was not copied" in rh.spec[0].errors[0]
+    assert seen == []                         # failed at point 2: its layer-2 call does not run

@@ -247,9 +247,7 @@ class WorkerHooks:
             if self.capturing:
                 raise
             log.exception("vllm_hook: running hooks at boundary %d failed", boundary)
-            for c in calls:
-                for inst in (c[1].insts if isinstance(c[1], _Group) else [c[1]]):
-                    inst.fail("internal error in vllm_hook while running hooks")
+            _fail_calls(calls, "internal error in vllm_hook while running hooks")
         self.timing["hook_s"] += time.perf_counter() - t0
 
     # ---- read-only steps under FULL graphs (adapters/v2.py) ----------------------------------
@@ -276,7 +274,12 @@ class WorkerHooks:
 
     def _run_all(self) -> None:
         for b in sorted(self._plan):
-            self.run(b, self.copies[b], None)
+            hs = self.copies.get(b)
+            if hs is None:          # a bug of ours (a point the twins do not copy): not the step's
+                log.error("vllm_hook: no copy of hook point %d for a read-only step", b)
+                _fail_calls(self._plan[b], "internal error in vllm_hook: this hook point was not copied")
+                continue
+            self.run(b, hs, None)
 
     def call(self, fn: Callable, ctx, h: torch.Tensor, insts: list[HookInstance], L: int):
         self.timing["hook_calls"] += 1
@@ -502,3 +505,10 @@ class _Group:
             self._set(sorted(zip(self.segs, self.insts), key=lambda x: x[0][0]))
         self.rows = point._index(self.segs)
         return self.rows
+
+
+def _fail_calls(calls: list, msg: str) -> None:
+    """Fail every hook instance of a hook point's planned calls."""
+    for c in calls:
+        for inst in (c[1].insts if isinstance(c[1], _Group) else [c[1]]):
+            inst.fail(msg)
