@@ -686,3 +686,24 @@ def test_safetensors_bytes_load_as_safetensors_loads_them():
     for k in ("a", "b", "f"):
         assert wide[k].dtype == torch.float32 and torch.equal(wide[k], ref[k].float())
     assert wide["c"].dtype == torch.float32 and wide["d"].dtype == torch.int64
+
+
+def test_a_fetched_payload_nobody_reads_is_handed_back(tmp_path):
+    """A served batch whose clients all went away before reading its payload (or a fetch
+    whose reply could not be merged) leaves no result file behind: it is offered for reuse."""
+    from vllm_hook.frontend.delivery import Opened, release
+
+    def spilled() -> str:
+        return spill.write_spilled({"x": torch.arange(1024, dtype=torch.float32)}, {}, str(tmp_path))
+
+    def results_files() -> list[str]:
+        return sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(spill.FREE))
+
+    payload = {"path": spilled()}
+    opened = Opened().expect({"a": [{"payload": payload, "j": 0}], "b": [{"payload": payload, "j": 1}]})
+    assert len(results_files()) == 1
+    del opened                                     # the batch dropped unread
+    assert results_files() == []
+    assert len(list(tmp_path.iterdir())) == 1      # kept for reuse, as a read one is
+    release([{"batch": {"path": spilled()}}, {"batch": {"blob": b""}}, None])
+    assert results_files() == []

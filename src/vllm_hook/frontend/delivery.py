@@ -6,6 +6,7 @@ import asyncio
 import logging
 import resource
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -15,7 +16,7 @@ import torch
 from ..delivery.arena import FRONTEND as ARENAS
 from ..delivery.hostmem import RECYCLER, one_thread
 from ..delivery.nogc import no_gc
-from ..delivery.spill import open_entry, spill_target
+from ..delivery.spill import hand_back, open_entry, spill_target
 from ..delivery.store import parse_batch
 from ..results import ATTR, Results, build
 from .state import FrontendState
@@ -73,11 +74,24 @@ def merge_ranks(replies: Sequence[Any], st: FrontendState | None = None) -> dict
 
 
 class Opened:
-    """Payloads read once, however many requests' entries refer to them."""
+    """Payloads read once, however many requests' entries refer to them. A payload file of
+    the batch (`expect`) that no request read, because their clients went away or their build
+    failed first, is handed back when the batch is dropped, not left in the spill directory."""
 
     def __init__(self):
         self._bufs: dict[int, tuple[Any, Any]] = {}
         self._parsed: dict[tuple[int, str], list] = {}
+        self._unread: dict[int, str] = {}
+        weakref.finalize(self, _hand_back_all, self._unread)
+
+    def expect(self, merged: dict[str, list[dict]]) -> "Opened":
+        """Note the payload files `merged`'s entries refer to."""
+        for entries in merged.values():
+            for e in entries:
+                p = e.get("payload")
+                if isinstance(p, dict) and "path" in p:
+                    self._unread.setdefault(id(p), p["path"])
+        return self
 
     def part(self, entry: dict, dtype: str = "float32") -> tuple:
         """(points, metadata, owned) of one request's entry, its rows packed with others'
@@ -85,6 +99,7 @@ class Opened:
         payload = entry["payload"]
         got = self._bufs.get(id(payload))
         if got is None:
+            self._unread.pop(id(payload), None)
             got = self._bufs[id(payload)] = (payload, open_entry(payload))
         buf = got[1]
         parts = self._parsed.get((id(payload), dtype))
@@ -92,6 +107,20 @@ class Opened:
             parts = self._parsed[(id(payload), dtype)] = parse_batch(buf, dtype, payload.get("views"))
         points, meta = parts[entry["j"]]
         return points, meta, isinstance(buf, torch.Tensor) or bool(meta.get("_owned"))
+
+
+def _hand_back_all(paths: dict[int, str]) -> None:
+    for path in paths.values():
+        hand_back(path)
+
+
+def release(replies: Sequence[Any] | None) -> None:
+    """Hand back the payload files of fetch replies that will not be read (the fetch failed
+    after a worker wrote its file)."""
+    for r in replies or ():
+        payload = r.get("batch") if isinstance(r, dict) else None
+        if isinstance(payload, dict) and "path" in payload:
+            hand_back(payload["path"])
 
 
 def child_index(req_id: str, n: int) -> int:
@@ -180,12 +209,14 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
     # of the batch): 80 ms in one fetch of 256 requests (run 61).
     with no_gc():
         t, sent = time.perf_counter(), time.monotonic()
+        replies = None
         try:
             replies = rpc(RPC, args=fetch_args(st, keys))
             count_rpc(st, replies, sent)
             fetched = merge_ranks(replies, st)
         except Exception as e:   # generation succeeded: every output keeps its tokens
             log.exception("vllm_hook: fetching results from the workers failed")
+            release(replies)
             fetched, failure = {}, f"results could not be fetched from the workers: {e!r}"
             try:                 # and the workers need not keep them until their TTL
                 rpc(RPC, args=("discard", keys))
@@ -196,7 +227,7 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
         st.timing["fetch_rpc_s"] += time.perf_counter() - t
         st.timing["fetches"] += 1
         faults = _minor_faults()
-        _attach_all(st, todo, fetched, failure)
+        _attach_all(st, todo, fetched, failure, Opened().expect(fetched))
         st.timing["read_build_page_faults"] = st.timing.get("read_build_page_faults", 0) + _minor_faults() - faults
     delivered()
 
@@ -274,11 +305,14 @@ class FetchBatcher:
             await asyncio.sleep(0)
         self._open = None
         t, sent = time.perf_counter(), time.monotonic()
+        replies = None
         try:
             replies = await self.rpc(RPC, args=fetch_args(self.st, b.keys))
             count_rpc(self.st, replies, sent)
             merged = merge_ranks(replies, self.st)
+            b.opened.expect(merged)
         except Exception as e:
+            release(replies)
             try:             # the workers need not keep them until their TTL
                 await self.rpc(RPC, args=("discard", b.keys))
             except Exception:
