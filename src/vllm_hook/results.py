@@ -212,7 +212,7 @@ def _sharded(ranks, point: int, site: str, layer: int, head_size: int):
 def _hook_results(ranks, n: int, errors: list[str]) -> list[dict]:
     """The saved dicts of the request's n hooks, from TP rank 0 (every TP rank runs the hooks)
     of each pipeline stage (each runs them at its own layers), merged (`state.merge_stages`)."""
-    stages = [meta for _, meta in ranks if meta.get("rank", 0) == 0] if len(ranks) > 1 else [m for _, m in ranks]
+    stages = [meta for _, meta in ranks if meta.get("rank", 0) == 0]
     missing = [m.get("pp_rank", 0) for m in stages if "hooks" not in m]
     stages = [m for m in stages if "hooks" in m]
     if missing and not errors:

@@ -40,7 +40,7 @@ def collect_args(st: FrontendState) -> tuple:
 def collected(replies: Sequence[Any]) -> dict[str, list[dict]]:
     """{request id: [saved dict of each persistent hook]} from the workers' replies: TP rank 0
     of each pipeline stage replies (in stage order), the others reply empty."""
-    got = [r for r in checked(replies) if r and r.get("blob")]
+    got = _with_blobs(replies)
     stages = [state.decode_collected(r["blob"]) for r in got]
     if len(stages) <= 1:
         return stages[0] if stages else {}
@@ -52,10 +52,14 @@ def collected(replies: Sequence[Any]) -> dict[str, list[dict]]:
 def collected_blob(replies: Sequence[Any]) -> bytes:
     """The collect replies as one safetensors blob (served): a stage's own, or, with several
     pipeline stages, their merged results encoded again."""
-    got = [r for r in checked(replies) if r and r.get("blob")]
+    got = _with_blobs(replies)
     if len(got) <= 1:
         return got[0]["blob"] if got else b""
     return state.encode_collected(collected(replies))
+
+
+def _with_blobs(replies: Sequence[Any]) -> list[dict]:
+    return [r for r in checked(replies) if r and r.get("blob")]
 
 
 def prefetched(replies: Sequence[Any]) -> list[str]:
