@@ -106,7 +106,8 @@ async def _fetch(engine: Any, request_id: str, view: Any, wire: bool) -> Results
     res = item[1]
     if nothing_to_fetch(st, res):
         st.pop_pending(request_id)
-        return results_for(st, view, [], res, wire=wire)
+        with no_gc():
+            return results_for(st, view, [], res, wire=wire)
     try:
         entries, opened = await _batcher(engine, st).entries(res.key)
         # Forgotten only now: if the client goes away during the fetch, the abort that

@@ -198,7 +198,10 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
             if res is not None:
                 (clean if nothing_to_fetch(st, res) else todo).append((out, res))
     if clean:
-        _attach_all(st, clean, {}, None)
+        # Paused as for a fetch's build: the token lists copied per request trigger
+        # collections over the batch's outputs (278 µs a request at 256 in run 102).
+        with no_gc():
+            _attach_all(st, clean, {}, None)
     if not todo:
         if clean:
             delivered()
