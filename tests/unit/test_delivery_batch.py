@@ -426,6 +426,31 @@ def test_offline_fetch_pauses_the_collector_from_the_rpc_on():
     assert got.token_ids == [1, 2, 3] and "could not be fetched" in got.errors[0]
 
 
+def test_requests_delivered_without_a_fetch_are_built_with_the_collector_paused(monkeypatch):
+    """A steering-only batch marked clean is built without an RPC; its build copies every
+    request's token lists, and a full collection landing there stalled a batch of 256 by
+    0.4 to 0.5 s (runs 101, 102). Built with the collector paused, as a fetched batch is."""
+    import gc
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend import delivery as D
+
+    seen = []
+    monkeypatch.setattr(D, "nothing_to_fetch", lambda st, res: True)
+    monkeypatch.setattr(D, "_attach_all", lambda st, todo, fetched, failure, opened=None:
+                        seen.append(([o.request_id for o, _ in todo], gc.isenabled())))
+    res = SimpleNamespace(key="k0", ticket=5)
+    st = SimpleNamespace(pop_pending=lambda rid: res)
+    out = SimpleNamespace(request_id="r0", finished=True)
+
+    def rpc(*a, **k):
+        raise AssertionError("no fetch for a clean request")
+
+    assert gc.isenabled()
+    D.attach(st, [out], rpc)
+    assert seen == [(["r0"], False)] and gc.isenabled()
+
+
 @pytest.mark.parametrize("mapped_from", [0, spill.MAPPED_FROM])
 def test_rows_of_several_chunks_are_written_part_by_part(tmp_path, monkeypatch, mapped_from):
     """A request's rows from several steps (a prompt chunk, then a decode run's strided view)
