@@ -437,7 +437,7 @@ def test_requests_delivered_without_a_fetch_are_built_with_the_collector_paused(
 
     seen = []
     monkeypatch.setattr(D, "nothing_to_fetch", lambda st, res: True)
-    monkeypatch.setattr(D, "_attach_all", lambda st, todo, fetched, failure, opened=None:
+    monkeypatch.setattr(D, "_attach_each", lambda st, todo, fetched, failure, opened:
                         seen.append(([o.request_id for o, _ in todo], gc.isenabled())))
     res = SimpleNamespace(key="k0", ticket=5)
     st = SimpleNamespace(pop_pending=lambda rid: res)
@@ -449,6 +449,10 @@ def test_requests_delivered_without_a_fetch_are_built_with_the_collector_paused(
     assert gc.isenabled()
     D.attach(st, [out], rpc)
     assert seen == [(["r0"], False)] and gc.isenabled()
+    # Served, each request's results alike, fetched or not.
+    monkeypatch.setattr(D, "_results_for", lambda *a: seen.append(("served", gc.isenabled())))
+    D.results_for(st, out, [], res, wire=True)
+    assert seen[-1] == ("served", False) and gc.isenabled()
 
 
 @pytest.mark.parametrize("mapped_from", [0, spill.MAPPED_FROM])

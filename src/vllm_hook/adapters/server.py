@@ -25,7 +25,7 @@ from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
-from ..frontend.delivery import FetchBatcher, delivered, failed, no_gc, nothing_to_fetch, results_for
+from ..frontend.delivery import FetchBatcher, delivered, failed, nothing_to_fetch, results_for
 from ..frontend.state import FrontendState, maybe_state, state_of
 from ..results import ATTR, Results
 from ..server import encode
@@ -106,15 +106,13 @@ async def _fetch(engine: Any, request_id: str, view: Any, wire: bool) -> Results
     res = item[1]
     if nothing_to_fetch(st, res):
         st.pop_pending(request_id)
-        with no_gc():
-            return results_for(st, view, [], res, wire=wire)
+        return results_for(st, view, [], res, wire=wire)
     try:
         entries, opened = await _batcher(engine, st).entries(res.key)
         # Forgotten only now: if the client goes away during the fetch, the abort that
         # follows still finds the request and discards its results on the workers.
         st.pop_pending(request_id)
-        with no_gc():
-            got = results_for(st, view, entries, res, opened, wire=wire)
+        got = results_for(st, view, entries, res, opened, wire=wire)
         delivered()
         return got
     except Exception as e:  # the generation succeeded: report, never fail the HTTP request

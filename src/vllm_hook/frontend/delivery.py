@@ -136,7 +136,7 @@ def results_for(st: FrontendState, output: Any, entries: list[dict], res,
     """The results of one finished request. `wire`: they are for a served response, where a
     float32 request's rows stay in the model's dtype and are widened where the client loads
     them (`Results.widen_to`)."""
-    with one_thread():           # small tensors: see hostmem.one_thread
+    with no_gc(), one_thread():   # see _attach_all; small tensors: see hostmem.one_thread
         return _results_for(st, output, entries, res, opened, wire)
 
 
@@ -198,10 +198,7 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
             if res is not None:
                 (clean if nothing_to_fetch(st, res) else todo).append((out, res))
     if clean:
-        # Paused as for a fetch's build: the token lists copied per request trigger
-        # collections over the batch's outputs (278 µs a request at 256 in run 102).
-        with no_gc():
-            _attach_all(st, clean, {}, None)
+        _attach_all(st, clean, {}, None)
     if not todo:
         if clean:
             delivered()
@@ -248,7 +245,10 @@ def delivered() -> None:
 
 def _attach_all(st: FrontendState, todo: list, fetched: dict, failure: str | None,
                 opened: Opened | None = None) -> None:
-    with one_thread():       # once for the batch: entering it per request cost 4 µs
+    # The collector paused: the build copies every request's token lists, and a full
+    # collection over the batch's outputs landing there stalled a batch of 256 by 0.4 to
+    # 0.5 s (runs 101, 102). One thread entered once for the batch (per request: 4 µs).
+    with no_gc(), one_thread():
         _attach_each(st, todo, fetched, failure, opened or Opened())
 
 
