@@ -116,6 +116,37 @@ def test_requests_steering_alike_share_table_rows(llm):
     assert (s["ops_in_use"], s["vectors_in_use"]) == (0, 0), s
 
 
+def test_requests_steering_alike_at_strengths_of_their_own(llm):
+    """Issue 17: specs equal but for their steering numbers (a strength sweep) are resolved by
+    their coefficients alone from the second of their shape on (`spec.rescale`), and the
+    workers admit them from the shape the first left (`worker.steer_shapes`). Each request of
+    such a batch steers and captures as when it is alone, resolved and admitted in full."""
+    from tests.helpers.common import runtime
+    from vllm_hook.frontend.state import state_of
+
+    st = state_of(llm.llm_engine.input_processor)
+    v = [vec(80 + L).tolist() for L in range(4)]
+
+    def spec(s):
+        return {"steer": [{"op": "add", "layer": L, "vector": v[L], "scale": s * (L + 1)} for L in range(3)]
+                + [{"op": "cap", "layer": 3, "vector": v[3], "max": s / 10}],
+                "capture": [{"layers": [3], "tokens": "last"}]}
+
+    scales = [0.5, 1.0, 2.0, -1.0, 3.0, -2.0]
+    ids = [ids_of(llm, PROMPTS[i % len(PROMPTS)]) for i in range(len(scales))]
+    st.resolved.clear()
+    together = run(llm, ids, [sp(spec(s), max_tokens=6) for s in scales])
+    assert st.resolved._shapes and runtime(llm)._steer_shapes._shapes
+    for i, s in enumerate(scales):
+        st.resolved.clear()                      # the full way, frontend and worker
+        runtime(llm)._steer_shapes.clear()
+        alone = run(llm, [ids[i]], [sp(spec(s), max_tokens=6)])[0]
+        assert list(together[i].outputs[0].token_ids) == list(alone.outputs[0].token_ids), s
+        ra, rb = res(together[i]), res(alone)
+        assert rel_err(ra.activations["resid_post"][3], rb.activations["resid_post"][3]) <= 1e-5, s
+    assert len({tuple(o.outputs[0].token_ids) for o in together}) > 1
+
+
 def test_one_spec_object_is_keyed_once_per_generate_call(llm, monkeypatch):
     """`LLM.generate` with one spec for many prompts pickles it for its cache key once per call
     (issue 17: per-request cost); the same dict edited between calls steers as edited."""

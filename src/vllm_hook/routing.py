@@ -110,6 +110,20 @@ def group_steering(steer: Sequence[SteerRoute]) -> SteerGroups:
     return SteerGroups(out)
 
 
+def steer_group_index(sels: Sequence[str], poss: Sequence[tuple[int, ...]], cols: Sequence[int]) -> list[tuple]:
+    """`group_steering`'s groups by op index: (sel, pos, columns, the ops' indices, the columns
+    as a slice or array), for ops given as columns; a group's op_idx values are then
+    `entries[indices]` (`worker.steer_shapes`)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(zip(sels, poss)):
+        groups.setdefault(key, []).append(i)
+    out = []
+    for (sel, pos), idx in groups.items():
+        c = np.asarray([cols[i] for i in idx], dtype=np.int64)
+        out.append((sel, pos, c, np.asarray(idx, dtype=np.int64), _as_slice(c)))
+    return out
+
+
 def group_captures(capture: Sequence[CaptureRoute]) -> tuple[tuple[tuple, int, bool, np.ndarray, tuple[int, ...]], ...]:
     """Capture routes grouped by (selectors, pool, last_only): (sels, pool, last_only, points
     as an index array, the same points as a tuple)."""

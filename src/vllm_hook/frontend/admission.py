@@ -15,9 +15,10 @@ from typing import Any, Iterator
 from ..adapters.requests import add_cache_salt, params_of, prompt_len_of
 from ..spec.errors import SpecError
 from ..spec.lens import has_lens_args, translate
-from ..spec.resolve import capture_bytes, resolve
+from ..spec.rescale import rescaled, split, template
+from ..spec.resolve import Resolved, capture_bytes, resolve, unpack_steer
 from ..spec.schema import SPEC_KEY, parse_spec
-from .cache import call_key
+from .cache import cache_key, call_key
 from .state import allow_pickles, maybe_state, state_of
 
 
@@ -90,6 +91,39 @@ def admit(input_processor: Any, request_id: str, request: Any) -> None:
         st.timing["admit_s"] += time.perf_counter() - t0
 
 
+def _resolved(st, raw: Any, prompt_len: int) -> Resolved | None:
+    """The request's own resolution of spec `raw` (None: the spec asks for nothing): kept
+    ones copied where the cache has the spec (`frontend.cache`), or its shape
+    (`spec.rescale`), else parsed and resolved."""
+    cache, keep = call_key(raw)
+    spec = st.resolved.spec(cache) if cache is not None else None
+    shape = None
+    if spec is None:
+        shape = split(raw) if cache is not None else None
+        if shape is not None:
+            shape_key = cache_key(shape[0])[0]
+            t = st.resolved.shape(shape_key, prompt_len) if shape_key is not None else None
+            res = rescaled(t, shape[1], prompt_len) if t is not None else None
+            if res is not None:
+                return res
+        spec = parse_spec(raw)
+        if cache is not None:
+            st.resolved.put_spec(cache, spec, keep)
+    if spec.is_empty:
+        return None
+    positional = spec.positional
+    res = st.resolved.get(cache, prompt_len, positional) if cache is not None else None
+    if res is None:
+        res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len,
+                      allow_pickles=allow_pickles(st))
+        if cache is not None:
+            if shape is not None and shape_key is not None and st.resolved.second_sight(shape_key):
+                st.resolved.put_shape(shape_key, prompt_len, positional, template(
+                    spec, res, st.info, st.cfg.max_ops_per_layer, unpack_steer(res.wire["steer"])))
+            res = st.resolved.put(cache, prompt_len, res, keep, positional)
+    return res
+
+
 def _admit(input_processor: Any, request_id: str, request: Any) -> None:
     sp = params_of(request)
     extra = getattr(sp, "extra_args", None)
@@ -106,26 +140,14 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
         return
     st = state_of(input_processor)
     raw = extra[SPEC_KEY]
-    cache, keep = call_key(raw)
-    spec = st.resolved.spec(cache) if cache is not None else None
-    if spec is None:
-        spec = parse_spec(raw)
-        if cache is not None:
-            st.resolved.put_spec(cache, spec, keep)
     rest = {k: v for k, v in extra.items() if k != SPEC_KEY}
-    if spec.is_empty:
+    prompt_len = prompt_len_of(request)
+    res = _resolved(st, raw, prompt_len)
+    if res is None:                      # an empty spec
         sp.extra_args = rest or None
         if st.persistent_hooks:
             _hooked(request, sp)
         return
-    prompt_len = prompt_len_of(request)
-    positional = spec.positional
-    res = st.resolved.get(cache, prompt_len, positional) if cache is not None else None
-    if res is None:
-        res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len,
-                      allow_pickles=allow_pickles(st))
-        if cache is not None:
-            res = st.resolved.put(cache, prompt_len, res, keep, positional)
     if stack is not None:
         res = dataclasses.replace(res, stack_layers=tuple(stack))
     if res.items:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..hooks.hook import Hook
+from ..spec.rescale import Template
 from ..spec.resolve import Resolved, reads_cached_prefix
 
 MAX_ENTRIES = 256
@@ -138,6 +139,9 @@ class ResolvedCache:
         self.max_entries = max_entries
         self._specs: OrderedDict[str, tuple[Any, list]] = OrderedDict()
         self._resolved: OrderedDict[tuple[str, int], tuple[Resolved, list]] = OrderedDict()
+        # by (shape key, prompt length for a spec naming positions, else None): `spec.rescale`
+        self._shapes: OrderedDict[tuple[bytes, int | None], Template] = OrderedDict()
+        self._shapes_seen: OrderedDict[bytes, None] = OrderedDict()
         self.hits = 0
 
     def spec(self, key: str):
@@ -170,6 +174,34 @@ class ResolvedCache:
             self._resolved.popitem(last=False)
         return own_copy(res)
 
+    def shape(self, key: bytes, prompt_len: int) -> Template | None:
+        """The template kept for a spec shape (`spec.rescale.split`) and prompt length."""
+        k = (key, None)
+        got = self._shapes.get(k)
+        if got is None:
+            k = (key, prompt_len)
+            got = self._shapes.get(k)
+        if got is not None:
+            self._shapes.move_to_end(k)
+        return got
+
+    def second_sight(self, key: bytes) -> bool:
+        """Whether a spec of this shape was resolved before: a template is kept from the
+        second on (specs of shapes of their own would each pay for one)."""
+        if key in self._shapes_seen:
+            return True
+        self._shapes_seen[key] = None
+        while len(self._shapes_seen) > self.max_entries:
+            self._shapes_seen.popitem(last=False)
+        return False
+
+    def put_shape(self, key: bytes, prompt_len: int, positional: bool, t: Template) -> None:
+        self._shapes[(key, prompt_len if positional else None)] = t
+        while len(self._shapes) > self.max_entries:
+            self._shapes.popitem(last=False)
+
     def clear(self) -> None:
         self._specs.clear()
         self._resolved.clear()
+        self._shapes.clear()
+        self._shapes_seen.clear()

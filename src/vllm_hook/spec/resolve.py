@@ -109,6 +109,7 @@ class Resolved:
     hooks: int = 0                 # hooks in the spec: Results.hook_results has one per hook
     stack_layers: tuple[int, ...] | None = None   # vllm-lens output_residual_stream: out.activations
     ticket: int = 0                # steering only: its clean mark's ticket (delivery.arena), 0: none
+    steer_norms: tuple[float, ...] = ()   # each steering op's vector norm (`spec.rescale`)
     # capture_bytes by (prompt length, total length), shared by the copies the frontend cache hands out
     worst_bytes: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -259,6 +260,7 @@ def resolve(
     cols: dict[str, list] = {k: [] for k in STEER_COLUMNS}       # the wire's steering columns
     c_layer, c_sel, c_pos, c_coef, c_digest, c_name, c_vec = (cols[k] for k in STEER_COLUMNS)
     per_layer: dict[int, list[tuple[int, bool]]] = {}
+    norms: list[float] = []
     # The engine's steering and projection layers, once per spec, not per op
     steer_layers = config.steering_layers(n) if spec.steer else set()
     proj_layers = config.layers_of(config.projection_layers, n) if spec.steer else set()
@@ -327,14 +329,16 @@ def resolve(
         c_digest.append(digest)
         c_name.append(name)
         c_vec.append(raw)
+        norms.append(norm)
 
     _check_slots(cols["sel"], cols["pos"], per_layer, config.max_ops_per_layer)
-    steer_digest = None
+    steer_digest = steer_shape = None
     if spec.steer:
-        # Equal steering: equal layers, tokens, coefficients and vectors (by digest, whatever
-        # their names). msgpack: a third of sorted JSON's time.
-        same = [cols["layer"], cols["sel"], cols["pos"], cols["c"], cols["digest"]]
-        steer_digest = hashlib.sha256(_PACK.encode(same)).hexdigest()[:24]
+        steer_digest = digest_of(cols)
+        # Steering alike but for its coefficients: the workers share what does not depend on
+        # them (`worker.runtime`, steering shapes)
+        steer_shape = hashlib.sha256(_PACK.encode([cols["layer"], cols["sel"], cols["pos"],
+                                                   cols["digest"]])).hexdigest()[:24]
 
     # Cached prefix tokens are never recomputed, so their activations would not exist.
     # vLLM always recomputes the last prompt token, so only earlier positions force a recompute.
@@ -348,6 +352,7 @@ def resolve(
             "steer": pack_steer(cols) if spec.steer else []}
     if steer_digest:
         wire["sd"] = steer_digest      # workers share the table rows of equal steering
+        wire["ss"] = steer_shape
     if wire_cap:                       # and the routes of equal captures
         # (its dicts are built in one key order: no sorting needed)
         wire["cd"] = hashlib.sha256(_PACK.encode(wire_cap)).hexdigest()[:24]
@@ -356,7 +361,15 @@ def resolve(
     return Resolved(wire=wire, key=key, prompt_len=prompt_len,
                     save_dir=spec.save.dir if spec.save else None, steer_digest=steer_digest,
                     reads_cached_prefix=reads_cached, items=items, dtype=spec.dtype,
-                    hooks=len(wire_hooks))
+                    hooks=len(wire_hooks), steer_norms=tuple(norms))
+
+
+def digest_of(cols: dict[str, list]) -> str:
+    """The digest of a spec's steering (its wire columns): equal layers, tokens, coefficients
+    and vectors (by digest, whatever their names), equal digest. msgpack: a third of sorted
+    JSON's time."""
+    same = [cols["layer"], cols["sel"], cols["pos"], cols["c"], cols["digest"]]
+    return hashlib.sha256(_PACK.encode(same)).hexdigest()[:24]
 
 
 def _check_coefficients(coef: list[float], bound: float, where: str, model: ModelInfo) -> None:

@@ -22,16 +22,17 @@ from ..delivery.spill import sweep_spilled
 from ..delivery.nogc import no_gc
 from ..delivery.store import Budget, RequestStore, batch_to_wire
 from ..hooks.state import StateError, encode, encode_collected
-from ..model.buffers import HookBuffers, cap_points, op_col, pack_op
+from ..model.buffers import HookBuffers, cap_points, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..spec.resolve import unpack_steer
-from ..routing import (CaptureRoute, RequestRoutes, Rows, Segment, SteerRoute, StepRouting, group_captures,
-                       broadcast_rows, group_steering, op_slots, route_step)
+from ..routing import (CaptureRoute, RequestRoutes, Rows, Segment, SteerGroups, SteerRoute, StepRouting,
+                       group_captures, broadcast_rows, route_step)
 from .attention_jobs import AttnJob, scores_for_step
 from .repeat import StepRepeat
 from .hooks import RequestHooks, WorkerHooks
 from .tables import DeviceTables, TableFull
-from .wire import check_wire
+from .steer_shapes import ShapeCache, SteerShape, shape_of
+from .wire import check_coefficients, check_wire
 
 log = logging.getLogger("vllm_hook")
 HOOK_TENSOR_PREFIX = "hk"
@@ -68,7 +69,7 @@ class HookRequest:
     routes: RequestRoutes
     horizon: float
     op_rows: list[int] = field(default_factory=list)
-    vec_rows: list[int] = field(default_factory=list)
+    vec_rows: list[tuple[int, int]] = field(default_factory=list)    # (vector row, references)
     store: RequestStore = field(default_factory=RequestStore)
     errors: list[str] = field(default_factory=Errors)
     finished_at: float | None = None
@@ -87,7 +88,7 @@ class SharedSteering:
     """Table rows and routes of one distinct steering (by the spec's steer digest), shared by
     every request that steers the same way: admitted once, released with the last of them."""
     routes: tuple
-    vec_rows: list[int]
+    vec_rows: list[tuple[int, int]]
     op_rows: list[int]
     refs: int = 1
     groups: tuple | None = None          # routing.group_steering(routes), made once
@@ -158,25 +159,6 @@ class _Staging:
         self._turn ^= 1
 
 
-def _slots_by_op(ops: dict[str, list]) -> list[tuple[int, list]]:
-    """(slot, earlier op index per lower slot) of each op of a request's steering (columns,
-    `spec.resolve.unpack_steer`)."""
-    layers = ops["layer"]
-    out: list[tuple[int, list]] = [(0, [])] * len(layers)
-    if len(set(layers)) == len(layers):          # one op per layer (the common case)
-        return out
-    by_layer: dict[int, list[int]] = {}
-    for i, L in enumerate(layers):
-        by_layer.setdefault(int(L), []).append(i)
-    for idx in by_layer.values():
-        if len(idx) == 1:
-            continue
-        slots, earlier, _ = op_slots([(ops["sel"][i], ops["pos"][i]) for i in idx])
-        for i, s, prev in zip(idx, slots, earlier):
-            out[i] = (s, [idx[j] if j is not None and j >= 0 else j for j in prev])
-    return out
-
-
 class HookRuntime:
     def __init__(self, bufs: HookBuffers, points: PointTable, cfg: HookConfig, rank: int = 0,
                  attn_layers: list[AttnLayer | None] | None = None, hooks: WorkerHooks | None = None,
@@ -200,6 +182,7 @@ class HookRuntime:
         self.named: dict[str, np.ndarray] = {}
         self.hooks = hooks                             # Python hooks (None: no hook layers)
         self.shared_steering: dict[str, SharedSteering] = {}
+        self._steer_shapes = ShapeCache()              # steering alike at other strengths
         self._captures: dict[str, tuple] = {}          # capture digest -> _capture_routes
         self.hooked: dict[str, HookRequest] = {}       # admitted requests with hooks
         self._steer_dirty = 0
@@ -318,16 +301,24 @@ class HookRuntime:
             return
         sd = wire.get("sd")
         shared = isinstance(sd, str) and sd in self.shared_steering
+        shape = None
         if not shared and wire.get("steer"):       # its ops are read only when not shared
             wire = {**wire, "steer": unpack_steer(wire["steer"])}
+            # Steering alike at other strengths: only its coefficients are read (and checked)
+            shape = self._steer_shapes.get(wire.get("ss"))
         cd = wire.get("cd")
         if not wire.get("cap"):
             cd = ""                      # no captures (steering only): one entry for all
         known = self._captures.get(cd) if isinstance(cd, str) else None
-        check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points, steer_ops=not shared,
-                   caps=known is None)
+        check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points,
+                   steer_ops=not shared and shape is None, caps=known is None)
+        if shape is not None:
+            try:
+                check_coefficients(wire["steer"]["c"], shape.n)
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"steering ops are malformed ({e!r})") from None
         try:
-            steer = self._steering_of(req, wire.get("steer", ()), sd)
+            steer = self._steering_of(req, wire.get("steer", ()), sd, shape, wire.get("ss"))
         except (TableFull, KeyError) as e:
             msg = str(e) if isinstance(e, TableFull) else f"vector {e} is not registered on the worker"
             req.errors.append(f"steering not applied: {msg}")
@@ -407,65 +398,52 @@ class HookRuntime:
             self.hooked[req.req_id] = req
             req.horizon = float("inf")          # hooks see every row, to the end
 
-    def _steering_of(self, req: HookRequest, ops, digest: str | None) -> tuple[SteerRoute, ...]:
+    def _steering_of(self, req: HookRequest, ops, digest: str | None, shape: SteerShape | None = None,
+                     shape_key: str | None = None) -> tuple[SteerRoute, ...]:
         """The request's steering routes: those of a request steering the same way, if one
         is admitted (a batch with one spec admits its 28 ops once; `ops` unread), else
-        admitted now."""
+        admitted now (`shape`: kept for a request that steered alike at other strengths)."""
         shared = self.shared_steering.get(digest) if digest else None
         if shared is None:
             if not ops:
                 return ()
-            routes = self._admit_steering(req, ops)
+            if shape is None:
+                shape = shape_of(ops, self.bufs.shape)
+                self._steer_shapes.put(shape_key, shape)
+            routes, groups = self._admit_steering(req, shape, ops["c"])
             if not digest:
                 return routes
-            shared = self.shared_steering[digest] = SharedSteering(routes, req.vec_rows, req.op_rows, 0,
-                                                                   group_steering(routes))
+            shared = self.shared_steering[digest] = SharedSteering(routes, req.vec_rows, req.op_rows, 0, groups)
             req.vec_rows, req.op_rows = [], []
         shared.refs += 1
         req.steer_share = digest
         return shared.routes
 
-    def _admit_steering(self, req: HookRequest, ops: dict[str, list]) -> tuple[SteerRoute, ...]:
-        """A new spec's ops (columns: `spec.resolve.unpack_steer`, checked by `check_wire`)
-        into the tables: a vector row per op (shared by digest), an op row each with its
-        parameters, computed as arrays."""
-        shape, tables = self.bufs.shape, self.tables
-        K = shape.ops_per_layer
-        n = len(ops["layer"])
-        slot_of = _slots_by_op(ops)
-        digests, first, refs, row_of = ops["digest"], {}, {}, {}
-        for i, d in enumerate(digests):          # each distinct vector once (a spec mostly has one)
-            if d in refs:
-                refs[d] += 1
-            else:
-                first[d], refs[d] = i, 1
+    def _admit_steering(self, req: HookRequest, shape: SteerShape, c) -> tuple[tuple[SteerRoute, ...], SteerGroups]:
+        """A spec's steering of `shape` with coefficients `c` (the wire's flat column, checked
+        by `check_wire`) into the tables: a vector row per distinct vector, an op row each
+        with its parameters. Its routes and their groups (`routing.group_steering`)."""
+        tables, K, n = self.tables, self.bufs.shape.ops_per_layer, shape.n
+        rows = []
         try:
-            for d, i in first.items():
-                vec = ops["vec"][i]
-                values = np.frombuffer(vec, dtype=np.float32) if vec is not None else self.named[ops["name"][i]]
-                row_of[d] = tables.acquire_vector(d, values, refs[d])
-                req.vec_rows += [row_of[d]] * refs[d]
-            vec_rows = [row_of[d] for d in digests]
-            params = np.zeros((n, 4 + K))
-            params[:, :5] = np.asarray(ops["c"], dtype=np.float64).reshape(n, 5)
-            params[:, 0] *= [tables.norms[row] for row in vec_rows]
-            # G with the op each lower slot holds on this op's rows (none: 0; several:
-            # refused at admission when it matters, see spec.resolve._check_slots). Most ops
-            # are alone on their layer: no products.
-            for i, (_, prev) in enumerate(slot_of):
-                if prev and any(j is not None and j >= 0 for j in prev):
-                    u = tables.units[vec_rows[i]].astype(np.float64)
-                    for k, j in enumerate(prev):
-                        if j is not None and j >= 0:
-                            params[i, 5 + k] = float(np.dot(u, tables.units[vec_rows[j]]))
-            req.op_rows = tables.acquire_ops(list(params))
+            for d, refs, source in zip(shape.distinct, shape.refs, shape.sources):
+                values = self.named[source] if isinstance(source, str) else np.frombuffer(source, dtype=np.float32)
+                row = tables.acquire_vector(d, values, refs)
+                rows.append(row)
+                req.vec_rows.append((row, refs))
+            vec_rows = np.asarray(rows, dtype=np.int64)[shape.vidx]
+            params = np.empty((n, 4 + K))
+            params[:, :5] = np.asarray(c, dtype=np.float64).reshape(n, 5)
+            params[:, 0] *= np.asarray([tables.norms[row] for row in rows])[shape.vidx]
+            params[:, 5:] = shape.products(K, tables.units.__getitem__, rows)
+            req.op_rows = tables.acquire_ops(params)
         except Exception:
             self._release_tables(req)
             raise
-        cols = op_col(shape, np.asarray(ops["layer"], dtype=np.int64),
-                      np.asarray([slot for slot, _ in slot_of], dtype=np.int64)).tolist()
-        entries = pack_op(np.asarray(req.op_rows, dtype=np.int64), np.asarray(vec_rows, dtype=np.int64)).tolist()
-        return tuple(SteerRoute(c, e, s, tuple(p)) for c, e, s, p in zip(cols, entries, ops["sel"], ops["pos"]))
+        entries = pack_op(np.asarray(req.op_rows, dtype=np.int64), vec_rows)
+        routes = tuple(map(SteerRoute, shape.cols, entries.tolist(), shape.sels, shape.poss))
+        groups = SteerGroups([(sel, pos, cols, entries[idx], sl) for sel, pos, cols, idx, sl in shape.groups])
+        return routes, groups
 
     def _release_tables(self, req: HookRequest) -> None:
         if req.steer_share is not None:
@@ -474,12 +452,12 @@ class HookRuntime:
             shared.refs -= 1
             if shared.refs == 0:
                 del self.shared_steering[digest]
-                for row in shared.vec_rows:
-                    self.tables.release_vector(row)
+                for row, refs in shared.vec_rows:
+                    self.tables.release_vector(row, refs)
                 if shared.op_rows:
                     self.tables.release_ops(shared.op_rows)
-        for row in req.vec_rows:
-            self.tables.release_vector(row)
+        for row, refs in req.vec_rows:
+            self.tables.release_vector(row, refs)
         req.vec_rows = []
         if req.op_rows:
             self.tables.release_ops(req.op_rows)

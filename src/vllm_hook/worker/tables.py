@@ -9,8 +9,6 @@ would wait for the GPU to finish every queued step first).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -33,12 +31,13 @@ class DeviceTables:
         self._vec_digest: dict[int, str] = {}
         self.units: dict[int, np.ndarray] = {}   # row -> unit vector (host copy, for u.u)
         self.norms: dict[int, float] = {}
-        self._ops: list[tuple[int, Any]] = []             # queued writes: row, params (a list or array)
-        self._vecs: list[tuple[int, np.ndarray]] = []     # row, unit vector
+        # Queued writes: (rows, their values as one 2-D array), one entry per admission
+        self._ops: list[tuple[list[int], np.ndarray]] = []
+        self._vecs: list[tuple[list[int], np.ndarray]] = []
 
     def acquire_vector(self, digest: str, values: np.ndarray, refs: int = 1) -> int:
         """The row of the vector `digest` (written from `values` when new), `refs` references
-        more (each released by its own `release_vector`)."""
+        more (released by `release_vector`)."""
         row = self._vec_rows.get(digest)
         if row is None:
             if not self._free_vecs:
@@ -49,7 +48,7 @@ class DeviceTables:
             v = np.asarray(values, dtype=np.float64)
             norm = float(np.linalg.norm(v))
             u = (v / norm if norm > 0 else v).astype(np.float32)
-            self._vecs.append((row, u))
+            self._vecs.append(([row], u[None]))
             self.units[row], self.norms[row] = u, norm
             self._vec_rows[digest] = row
             self._vec_digest[row] = digest
@@ -57,21 +56,23 @@ class DeviceTables:
         self._vec_refs[row] += refs
         return row
 
-    def release_vector(self, row: int) -> None:
-        self._vec_refs[row] -= 1
+    def release_vector(self, row: int, refs: int = 1) -> None:
+        self._vec_refs[row] -= refs
         if self._vec_refs[row] == 0:
             del self._vec_refs[row]
             del self._vec_rows[self._vec_digest.pop(row)]
             del self.units[row], self.norms[row]
             self._free_vecs.append(row)
 
-    def acquire_ops(self, params: list[list[float]]) -> list[int]:
+    def acquire_ops(self, params: np.ndarray) -> list[int]:
+        """Rows for the ops whose parameters are the rows of `params` (n, 4 + K)."""
         n = len(params)
         if n > len(self._free_ops):
             raise TableFull("the steering op table is full; too many steered requests are "
                             "preempted at once. Lower max_num_seqs or steer fewer layers")
-        rows = [self._free_ops.pop() for _ in range(n)]
-        self._ops.extend(zip(rows, params))
+        rows = self._free_ops[-n:][::-1] if n else []
+        del self._free_ops[len(self._free_ops) - n:]
+        self._ops.append((rows, params))
         return rows
 
     def flush(self) -> None:
@@ -79,12 +80,13 @@ class DeviceTables:
         for queued, table in ((self._ops, self.bufs.op_prm), (self._vecs, self.bufs.unit)):
             if not queued:
                 continue
-            rows = torch.tensor([r for r, _ in queued], dtype=torch.int64)
-            values = torch.tensor(np.asarray([v for _, v in queued], dtype=np.float32))
+            row_list = [r for rows, _ in queued for r in rows]
+            rows = torch.tensor(row_list, dtype=torch.int64)
+            values = torch.from_numpy(np.concatenate([v for _, v in queued]).astype(np.float32, copy=False))
             # A row written twice since the last flush: the later write wins (index_copy_ with
             # repeated indices does not say which), so only the last write of each row goes.
-            last = {r: i for i, (r, _) in enumerate(queued)}
-            if len(last) < len(queued):
+            last = {r: i for i, r in enumerate(row_list)}
+            if len(last) < len(row_list):
                 keep = torch.tensor(sorted(last.values()), dtype=torch.int64)
                 rows, values = rows[keep], values[keep]
             table.index_copy_(0, upload(rows, table.device), upload(values, table.device))

@@ -57,16 +57,12 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, ste
         if any(len(steer[k]) != n for k in STEER_COLUMNS if k != "c"):
             raise ValueError("columns of different lengths")
         layers = np.asarray(steer["layer"])
-        coef = np.asarray(steer["c"], dtype=np.float64)
+        coef = steer["c"]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"steering ops are malformed ({e})") from None
     if n == 0 or layers.dtype.kind not in "iu" or layers.min() < 0 or layers.max() >= num_layers:
         raise ValueError(f"steering layers {layers.tolist()} are not integers in [0, {num_layers})")
-    if coef.shape != (5 * n,):
-        raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
-    coef = coef.reshape(n, 5)
-    if np.isnan(coef).any() or not np.isfinite(coef[:, :3]).all():
-        raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
+    check_coefficients(coef, n)
     sels, poss, names, vecs = steer["sel"], steer["pos"], steer["name"], steer["vec"]
     # Whole columns first (C loops); op by op only where they do not pass
     if set(sels) != {"all"} or poss.count([]) != n:
@@ -83,3 +79,18 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, ste
             elif not isinstance(vec, (bytes, bytearray)) or len(vec) != 4 * hidden:
                 got = len(vec) if isinstance(vec, (bytes, bytearray)) else repr(vec)
                 raise ValueError(f"steering op {i}: vector of {got} bytes, expected {4 * hidden}")
+
+
+def check_coefficients(c, n: int) -> np.ndarray:
+    """The (n, 5) coefficients of `n` steering ops from a wire's flat "c" column, or
+    ValueError: 5 numbers each, none NaN, the first 3 finite."""
+    try:
+        coef = np.asarray(c, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"steering ops are malformed ({e})") from None
+    if coef.shape != (5 * n,):
+        raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
+    coef = coef.reshape(n, 5)
+    if np.isnan(coef).any() or not np.isfinite(coef[:, :3]).all():
+        raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
+    return coef

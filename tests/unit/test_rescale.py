@@ -1,0 +1,231 @@
+"""Specs equal but for their steering numbers (`spec.rescale`, the frontend's admission and the
+workers' steering shapes): what the shape path makes equals what the full way makes, and any
+number the full way could refuse goes the full way."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_hook.adapters.base import NewRequest, SchedulerEvents
+from vllm_hook.config import HookConfig
+from vllm_hook.frontend.admission import _admit
+from vllm_hook.frontend.state import STATE_ATTR, FrontendState
+from vllm_hook.model.buffers import OP_ROW_BITS, BufferShape, HookBuffers
+from vllm_hook.model.layout import PointTable
+from vllm_hook.routing import group_steering
+from vllm_hook.spec import ModelInfo, SpecError, parse_spec, resolve
+from vllm_hook.spec.rescale import rescaled, split, template
+from vllm_hook.spec.resolve import unpack_steer
+from vllm_hook.worker.runtime import HookRuntime
+
+L, H = 4, 8
+INFO = ModelInfo(num_layers=L, hidden_size=H, name="tiny", dtype="bfloat16")
+CFG = HookConfig(projection_layers="all", capture_pool_rows=256)
+V = [0.5] * H
+NAMES = {"v": ("d" * 32, 1.4142135623730951), "w": ("e" * 32, 2.0)}
+
+SHAPES = [
+    {"steer": [{"op": "add", "layer": x, "vector": "v", "scale": 0.5} for x in range(L)]},
+    {"steer": [{"op": "add", "layer": 1, "vector": "v"}, {"op": "add", "layer": 2, "vector": V, "scale": 2,
+                                                          "norm_match": True}]},
+    {"steer": [{"op": "cap", "layer": 0, "vector": "w", "min": -1.0},
+               {"op": "cap", "layer": 1, "vector": "w", "min": -1.0, "max": 3},
+               {"op": "ablate", "layer": 2, "vector": "v", "scale": 0.25},
+               {"op": "ablate", "layer": 3, "vector": "v"}]},
+    # ops sharing a layer on other tokens, positions counted from the prompt's end, a capture
+    {"steer": [{"op": "add", "layer": 1, "vector": "v", "scale": 1.0, "tokens": [-1, 0]},
+               {"op": "add", "layer": 2, "vector": "w", "scale": 1.5},
+               {"op": "ablate", "layer": 2, "vector": "v", "scale": 0.5, "tokens": [3]}],
+     "capture": [{"layers": [1], "tokens": "last_prompt"}]},
+]
+
+
+def _full(raw, prompt_len=10):
+    return resolve(parse_spec(raw), INFO, CFG, prompt_len, NAMES.get, max_model_len=64)
+
+
+def _template(raw, prompt_len=10):
+    spec, res = parse_spec(raw), _full(raw, prompt_len)
+    return template(spec, res, INFO, CFG.max_ops_per_layer, unpack_steer(res.wire["steer"]))
+
+
+def _scaled(raw, f):
+    """`raw` with every steering number times `f`."""
+    ops = [{k: (v * f if k in ("scale", "min", "max") else v) for k, v in op.items()} for op in raw["steer"]]
+    return {**raw, "steer": ops}
+
+
+def _same(a, b):
+    """Equal resolutions but for their keys."""
+    wa, wb = dict(a.wire), dict(b.wire)
+    assert wa.pop("key") != wb.pop("key")
+    assert wa == wb
+    assert {**a.__dict__, "wire": None, "key": None, "worst_bytes": None} == \
+        {**b.__dict__, "wire": None, "key": None, "worst_bytes": None}
+
+
+@pytest.mark.parametrize("raw", SHAPES)
+@pytest.mark.parametrize("f", [1.0, 0.5, 3.0, 0.0])
+def test_rescaled_equals_resolved(raw, f):
+    other = _scaled(raw, f)
+    a, b = split(raw), split(other)
+    assert a[0] == b[0]                              # one shape
+    got = rescaled(_template(raw), b[1], 10)
+    _same(got, _full(other))
+    # a JSON string (as served) splits the same
+    assert split(json.dumps(other)) == b
+
+
+def test_a_template_serves_other_prompt_lengths_unless_positions_are_named():
+    raw = SHAPES[0]
+    other = _scaled(raw, -2.0)
+    _same(rescaled(_template(raw, 10), split(other)[1], 17), _full(other, 17))
+
+
+@pytest.mark.parametrize("raw, op, field, value", [
+    (SHAPES[0], 0, "scale", math.nan), (SHAPES[0], 0, "scale", math.inf), (SHAPES[0], 0, "scale", 1e300),
+    (SHAPES[1], 1, "scale", 1e300), (SHAPES[2], 0, "min", math.nan), (SHAPES[2], 1, "min", 5.0),
+    (SHAPES[2], 2, "scale", -1e300), (SHAPES[0], 0, "scale", 10 ** 400),
+])
+def test_a_number_the_full_way_refuses_goes_the_full_way(raw, op, field, value):
+    other = json.loads(json.dumps(raw))
+    other["steer"][op][field] = value
+    sp = split(other)
+    assert sp is not None and sp[0] == split(raw)[0]
+    assert rescaled(_template(raw), sp[1], 10) is None
+    with pytest.raises((SpecError, OverflowError)):
+        _full(other)
+
+
+@pytest.mark.parametrize("value", [True, "0.5", None, [1.0], {"x": 1}])
+def test_numbers_of_other_types_take_the_full_way(value):
+    other = json.loads(json.dumps(SHAPES[0]))
+    other["steer"][0]["scale"] = value
+    assert split(other) is None
+
+
+def test_field_names_are_part_of_the_shape():
+    a = split({"steer": [{"op": "add", "layer": 0, "vector": "v"}]})
+    b = split({"steer": [{"op": "add", "layer": 0, "vector": "v", "scale": 1.0}]})
+    assert a[0] != b[0]
+    assert split({"steer": [{"op": "add", "layer": 0, "vector": "v"}], "hooks": [{"name": "x"}]}) is None
+    assert split({"capture": [{"layers": [0]}]}) is None
+
+
+def _frontend():
+    st = FrontendState(cfg=CFG, info=INFO, points=PointTable.for_config(L, CFG), max_model_len=64)
+    st.names.update(NAMES)
+    ip = SimpleNamespace()
+    ip.__dict__[STATE_ATTR] = st
+    return ip, st
+
+
+def _request(raw, prompt_len=10):
+    return SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"vllm_hook": raw},
+                                                           skip_reading_prefix_cache=False),
+                           prompt_token_ids=list(range(prompt_len)), cache_salt=None)
+
+
+def test_admission_takes_the_shape_path_from_the_second_spec_of_a_shape_on():
+    ip, st = _frontend()
+    wires = []
+    for i, f in enumerate([1.0, 2.0, 3.0, 4.0]):
+        r = _request(_scaled(SHAPES[3], f))
+        _admit(ip, str(i), r)
+        wires.append(r.sampling_params.extra_args["vllm_hook"])
+        assert len(st.resolved._shapes) == (1 if i >= 1 else 0)
+    for f, w in zip([1.0, 2.0, 3.0, 4.0], wires):
+        full = _full(_scaled(SHAPES[3], f)).wire
+        assert {**w, "key": None, "t": None} == {**full, "key": None, "t": None}
+    # its positions count from the prompt's end: another prompt length resolves in full
+    r = _request(_scaled(SHAPES[3], 5.0), prompt_len=12)
+    _admit(ip, "12", r)
+    full = _full(_scaled(SHAPES[3], 5.0), 12).wire
+    assert {**r.sampling_params.extra_args["vllm_hook"], "key": None} == {**full, "key": None}
+    assert full["steer"] != _full(_scaled(SHAPES[3], 5.0), 10).wire["steer"]
+    # an out-of-bounds number on the shape path gets the full way's error
+    with pytest.raises(SpecError, match="steer"):
+        _admit(ip, "bad", _request(_scaled(SHAPES[3], 1e300)))
+    st.resolved.clear()                   # a vector registered or deleted
+    assert not st.resolved._shapes
+
+
+def _runtime():
+    points = PointTable.for_config(L, CFG)
+    shape = BufferShape.for_engine(num_layers=L, hidden=H, max_num_batched_tokens=64, max_num_seqs=8,
+                                   cfg=CFG, points=points)
+    rt = HookRuntime(HookBuffers(shape, torch.float32, torch.device("cpu")), points, CFG)
+    rt.register_vectors({"v": np.full(H, 0.5, np.float32).tobytes(), "w": np.full(H, 0.7, np.float32).tobytes()})
+    return rt
+
+
+def _admitted(rt, raws, tag):
+    names = {"v": None, "w": None}
+    wires = []
+    for raw in raws:
+        res = resolve(parse_spec(raw), INFO, CFG, 10, lambda n: (_digest(rt, n), _norm(n)) if n in names else None,
+                      max_model_len=64)
+        wires.append(res.wire)
+    new = tuple(NewRequest(f"{tag}{i}", w, 10) for i, w in enumerate(wires))
+    rt.on_events(SchedulerEvents(new=new))
+    return [rt.requests[nr.req_id] for nr in new]
+
+
+def _digest(rt, name):
+    from vllm_hook.spec.vectors import vector_digest
+    return vector_digest(rt.named[name])
+
+
+def _norm(name):
+    return float(np.linalg.norm(np.full(H, 0.5 if name == "v" else 0.7, np.float64)))
+
+
+def _params(rt, req):
+    """The parameter rows queued for a request's ops, in op order."""
+    rows = {r: v for rs, vs in rt.tables._ops for r, v in zip(rs, vs)}
+    return np.stack([rows[e & ((1 << OP_ROW_BITS) - 1)] for g in req.routes.steer_groups for e in g[3]])
+
+
+@pytest.mark.parametrize("raw", [SHAPES[0], SHAPES[2], SHAPES[3]])
+def test_worker_shape_path_admits_as_a_fresh_worker(raw):
+    """A worker that admitted a spec of this shape before (at another strength) admits a
+    spec into the same routes, groups and parameter rows as a worker that never saw it."""
+    raw = {**raw, "capture": []}
+    warm, cold = _runtime(), _runtime()
+    _admitted(warm, [raw], "a")                  # the shape's first spec
+    assert len(warm._steer_shapes._shapes) == 1
+    [got] = _admitted(warm, [_scaled(raw, 0.5)], "b")
+    [want] = _admitted(cold, [_scaled(raw, 0.5)], "b")
+    assert not got.errors and not want.errors
+    assert got.routes.horizon == want.routes.horizon
+    ga, gb = got.routes.steer_groups, want.routes.steer_groups
+    assert [(g[0], g[1], g[2].tolist()) for g in ga] == [(g[0], g[1], g[2].tolist()) for g in gb]
+    assert [g[4] if isinstance(g[4], slice) else g[4].tolist() for g in ga] == \
+        [g[4] if isinstance(g[4], slice) else g[4].tolist() for g in gb]
+    np.testing.assert_array_equal(_params(warm, got), _params(cold, want))
+    # the groups are those group_steering makes of the routes
+    ref = group_steering(got.routes.steer)
+    assert [(g[0], g[1], g[2].tolist(), g[3].tolist()) for g in ref] == \
+        [(g[0], g[1], g[2].tolist(), g[3].tolist()) for g in ga]
+    # and finishing releases every row
+    for rt in (warm, cold):
+        rt.on_events(SchedulerEvents(finished=frozenset(rt.requests)))
+        assert rt.tables.vectors_in_use == 0 and rt.tables.ops_in_use == 0
+
+
+def test_worker_shape_path_checks_the_coefficients():
+    rt = _runtime()
+    _admitted(rt, [SHAPES[0]], "a")
+    res = _full(_scaled(SHAPES[0], 0.5))
+    cols = unpack_steer(res.wire["steer"])
+    cols["c"][0] = math.nan
+    from vllm_hook.spec.resolve import pack_steer
+    wire = {**res.wire, "steer": pack_steer(cols), "sd": "other"}
+    rt.on_events(SchedulerEvents(new=(NewRequest("bad", wire, 10),)))
+    assert "coefficients" in " ".join(rt.requests["bad"].errors)
