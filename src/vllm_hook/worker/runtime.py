@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -310,15 +311,15 @@ class HookRuntime:
         if not wire.get("cap"):
             cd = ""                      # no captures (steering only): one entry for all
         known = self._captures.get(cd) if isinstance(cd, str) else None
-        check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points,
-                   steer_ops=not shared and shape is None, caps=known is None)
+        coef = check_wire(wire, self.bufs.shape.num_layers, self.bufs.shape.hidden, self.points,
+                          steer_ops=not shared and shape is None, caps=known is None)
         if shape is not None:
             try:
-                check_coefficients(wire["steer"]["c"], shape.n)
+                coef = check_coefficients(wire["steer"]["c"], shape.n)
             except (KeyError, TypeError) as e:
                 raise ValueError(f"steering ops are malformed ({e!r})") from None
         try:
-            steer = self._steering_of(req, wire.get("steer", ()), sd, shape, wire.get("ss"))
+            steer = self._steering_of(req, wire.get("steer", ()), sd, coef, shape, wire.get("ss"))
         except (TableFull, KeyError) as e:
             msg = str(e) if isinstance(e, TableFull) else f"vector {e} is not registered on the worker"
             req.errors.append(f"steering not applied: {msg}")
@@ -398,11 +399,12 @@ class HookRuntime:
             self.hooked[req.req_id] = req
             req.horizon = float("inf")          # hooks see every row, to the end
 
-    def _steering_of(self, req: HookRequest, ops, digest: str | None, shape: SteerShape | None = None,
-                     shape_key: str | None = None) -> tuple[SteerRoute, ...]:
+    def _steering_of(self, req: HookRequest, ops, digest: str | None, coef: np.ndarray | None,
+                     shape: SteerShape | None = None, shape_key: str | None = None) -> tuple[SteerRoute, ...]:
         """The request's steering routes: those of a request steering the same way, if one
         is admitted (a batch with one spec admits its 28 ops once; `ops` unread), else
-        admitted now (`shape`: kept for a request that steered alike at other strengths)."""
+        admitted now with coefficients `coef` (checked: `check_wire`); `shape`: kept for a
+        request that steered alike at other strengths."""
         shared = self.shared_steering.get(digest) if digest else None
         if shared is None:
             if not ops:
@@ -410,7 +412,7 @@ class HookRuntime:
             if shape is None:
                 shape = shape_of(ops, self.bufs.shape)
                 self._steer_shapes.put(shape_key, shape)
-            routes, groups = self._admit_steering(req, shape, ops["c"])
+            routes, groups = self._admit_steering(req, shape, coef)
             if not digest:
                 return routes
             shared = self.shared_steering[digest] = SharedSteering(routes, req.vec_rows, req.op_rows, 0, groups)
@@ -419,10 +421,10 @@ class HookRuntime:
         req.steer_share = digest
         return shared.routes
 
-    def _admit_steering(self, req: HookRequest, shape: SteerShape, c) -> tuple[tuple[SteerRoute, ...], SteerGroups]:
-        """A spec's steering of `shape` with coefficients `c` (the wire's flat column, checked
-        by `check_wire`) into the tables: a vector row per distinct vector, an op row each
-        with its parameters. Its routes and their groups (`routing.group_steering`)."""
+    def _admit_steering(self, req: HookRequest, shape: SteerShape, coef: np.ndarray) -> tuple[tuple[SteerRoute, ...], SteerGroups]:
+        """A spec's steering of `shape` with coefficients `coef` (ops, 5) into the tables: a
+        vector row per distinct vector, an op row each with its parameters. Its routes and
+        their groups (`routing.group_steering`)."""
         tables, K, n = self.tables, self.bufs.shape.ops_per_layer, shape.n
         rows = []
         try:
@@ -433,7 +435,7 @@ class HookRuntime:
                 req.vec_rows.append((row, refs))
             vec_rows = np.asarray(rows, dtype=np.int64)[shape.vidx]
             params = np.empty((n, 4 + K))
-            params[:, :5] = np.asarray(c, dtype=np.float64).reshape(n, 5)
+            params[:, :5] = coef
             params[:, 0] *= np.asarray([tables.norms[row] for row in rows])[shape.vidx]
             params[:, 5:] = shape.products(K, tables.units.__getitem__, rows)
             req.op_rows = tables.acquire_ops(params)
@@ -441,7 +443,8 @@ class HookRuntime:
             self._release_tables(req)
             raise
         entries = pack_op(np.asarray(req.op_rows, dtype=np.int64), vec_rows)
-        routes = tuple(map(SteerRoute, shape.cols, entries.tolist(), shape.sels, shape.poss))
+        # tuple.__new__ over zip: the routes made in C (SteerRoute's own __new__ is Python)
+        routes = tuple(map(tuple.__new__, repeat(SteerRoute), zip(shape.cols, entries.tolist(), shape.sels, shape.poss)))
         groups = SteerGroups([(sel, pos, cols, entries[idx], sl) for sel, pos, cols, idx, sl in shape.groups])
         return routes, groups
 

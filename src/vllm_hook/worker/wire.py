@@ -36,11 +36,12 @@ def _selector(item: dict, what: str) -> None:
 
 
 def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, steer_ops: bool = True,
-               caps: bool = True) -> None:
-    """Raise ValueError naming the first value the per-step path could not take. Vectorised
-    over the steering ops: a spec steering every layer is checked in a few numpy calls.
-    `steer_ops=False` (`caps=False`): the request takes the checked routes of another that
-    steers (captures) alike (its own are never read), so they are not checked again."""
+               caps: bool = True) -> np.ndarray | None:
+    """Raise ValueError naming the first value the per-step path could not take; return the
+    steering coefficients, (ops, 5), if checked. Vectorised over the steering ops: a spec
+    steering every layer is checked in a few numpy calls. `steer_ops=False` (`caps=False`):
+    the request takes the checked routes of another that steers (captures) alike (its own are
+    never read), so they are not checked again."""
     _int(wire.get("P"), 1, MAX_POSITION, "prompt length")
     for i, c in enumerate(wire.get("cap", ()) if caps else ()):
         what = f"capture {i}"
@@ -50,7 +51,7 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, ste
         _selector(c, what)
     steer = wire.get("steer") if steer_ops else None
     if not steer:
-        return
+        return None
     # Columns (`spec.resolve.unpack_steer`): one array per field, not a loop over the ops
     try:
         n = len(steer["layer"])
@@ -62,7 +63,7 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, ste
         raise ValueError(f"steering ops are malformed ({e})") from None
     if n == 0 or layers.dtype.kind not in "iu" or layers.min() < 0 or layers.max() >= num_layers:
         raise ValueError(f"steering layers {layers.tolist()} are not integers in [0, {num_layers})")
-    check_coefficients(coef, n)
+    coef = check_coefficients(coef, n)
     sels, poss, names, vecs = steer["sel"], steer["pos"], steer["name"], steer["vec"]
     # Whole columns first (C loops); op by op only where they do not pass
     if set(sels) != {"all"} or poss.count([]) != n:
@@ -79,6 +80,7 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, ste
             elif not isinstance(vec, (bytes, bytearray)) or len(vec) != 4 * hidden:
                 got = len(vec) if isinstance(vec, (bytes, bytearray)) else repr(vec)
                 raise ValueError(f"steering op {i}: vector of {got} bytes, expected {4 * hidden}")
+    return coef
 
 
 def check_coefficients(c, n: int) -> np.ndarray:
