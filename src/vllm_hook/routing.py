@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from .spec.resolve import selected_mask
-
-if TYPE_CHECKING:
-    import torch
 
 
 class SteerRoute(NamedTuple):   # one per op of a new spec at admission: a tuple is cheapest
@@ -166,7 +163,7 @@ class StepRouting:
     steered_upto: int = 0     # 1 + the last row given a non-identity op
     # Rows steered alike at every token whose first row alone was written (`route_step`'s
     # `broadcast_from`): (start, count); the caller copies row `start` over the rest on the
-    # device (`broadcast_rows`).
+    # device (`worker.runtime.broadcast_rows`).
     broadcast: list[tuple[int, int]] = field(default_factory=list)
     # The entries of `cap_idx` written, as (rows, columns) index pairs: the next use of the
     # same array resets just these to trash rows (`worker.runtime._Staging.clear_captures`).
@@ -187,7 +184,7 @@ def route_step(
     `op_idx` from `zero_upto` on must be zero; those below are zeroed where not written whole.
     `broadcast_from`: adjacent prompt chunks steered alike at every token, at least this many
     rows together, get only their first row written and are listed in `broadcast` (the rest
-    of their rows hold stale values until the caller's `broadcast_rows`).
+    of their rows hold stale values until the caller's `worker.runtime.broadcast_rows`).
 
     A decode row (one row per request) takes a path without per-request numpy writes: the
     steering entries and the capture destinations of all decode rows (and of prompt chunks'
@@ -345,12 +342,15 @@ def _write_whole(op_idx: np.ndarray, spans: list, at_least: int, broadcast: list
             op_idx[start:start + count] = full
 
 
-def broadcast_rows(op_idx: torch.Tensor, broadcast: list[tuple[int, int]]) -> None:
-    """Copy each listed run's first row over its other rows, on `op_idx`'s device (queued
-    after the upload of the step's rows, on the same stream)."""
-    for start, count in broadcast:
-        if count > 1:
-            op_idx[start + 1:start + count].copy_(op_idx[start:start + 1].expand(count - 1, -1))
+def broadcast_sources(broadcast: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(source rows, destination rows) that copy each listed run's first row over its others
+    (`worker.runtime.broadcast_rows`)."""
+    runs = np.asarray([(s, c) for s, c in broadcast if c > 1], dtype=np.int64).reshape(-1, 2)
+    n = runs[:, 1] - 1
+    src = np.repeat(runs[:, 0], n)
+    # each run's destinations: its start + 1, + 2, ... (offsets within the run)
+    offsets = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    return src, src + 1 + offsets
 
 
 def _as_slice(cols: np.ndarray) -> slice | np.ndarray:

@@ -7,7 +7,8 @@ import torch
 
 from vllm_hook.model.layout import PointTable
 from vllm_hook.adapters.base import StepView
-from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, broadcast_rows, route_step
+from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, route_step
+from vllm_hook.worker.runtime import broadcast_rows
 from vllm_hook.worker.repeat import StepRepeat
 
 L, K = 4, 2
@@ -344,3 +345,23 @@ def test_prompt_chunks_steered_alike_merge_into_one_broadcast():
     assert (op[8:12] == op[8]).all() and (op[12:16] == op[0]).all() and not op[16:].any()
     broadcast_rows(torch.from_numpy(op), r.broadcast)
     assert (op[:8] == op[0]).all() and op[0].any() and not (op[8] == op[0]).all()
+
+
+def test_many_broadcast_runs_are_copied_by_one_gather():
+    """Prompts each steered its own way (a scale per request): their runs are copied over in one
+    gather and one scatter, the same rows as a copy per run."""
+    from vllm_hook.routing import broadcast_sources
+
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        starts = np.sort(rng.choice(200, size=int(rng.integers(3, 12)), replace=False)) * 10
+        runs = [(int(s), int(rng.integers(1, 11))) for s in starts]
+        op = rng.integers(0, 1000, (2100, 6))
+        ref = op.copy()
+        for s, c in runs:
+            ref[s + 1:s + c] = ref[s]
+        t = torch.from_numpy(op)
+        broadcast_rows(t, runs)
+        assert np.array_equal(op, ref), trial
+        src, dst = broadcast_sources(runs)
+        assert len(dst) == sum(c - 1 for _, c in runs) and not set(dst) & {s for s, _ in runs}

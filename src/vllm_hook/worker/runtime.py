@@ -18,7 +18,7 @@ import torch
 from ..adapters.base import AttnLayer, SchedulerEvents, StepView
 from ..config import HookConfig
 from ..delivery.collector import Collector
-from ..delivery.hostmem import one_thread
+from ..delivery.hostmem import one_thread, upload
 from ..delivery.spill import sweep_spilled
 from ..delivery.nogc import no_gc
 from ..delivery.store import Budget, RequestStore, batch_to_wire
@@ -27,7 +27,7 @@ from ..model.buffers import HookBuffers, cap_points, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
 from ..spec.resolve import unpack_steer
 from ..routing import (CaptureRoute, RequestRoutes, Rows, Segment, SteerGroups, SteerRoute, StepRouting,
-                       group_captures, broadcast_rows, route_step)
+                       group_captures, broadcast_sources, route_step)
 from .attention_jobs import AttnJob, scores_for_step
 from .repeat import StepRepeat
 from .hooks import RequestHooks, WorkerHooks
@@ -39,6 +39,7 @@ log = logging.getLogger("vllm_hook")
 HOOK_TENSOR_PREFIX = "hk"
 MAX_SHARED_CAPTURES = 256     # distinct capture specs whose routes a worker keeps
 BROADCAST_FROM = 128          # rows steered alike from which a device copy beats writing them
+BROADCAST_LOOP_MAX = 2        # runs copied one by one; more: one gather for all of them
 
 
 class Errors(list):
@@ -101,6 +102,22 @@ def _note(errors: list[str], msg: str) -> None:
         errors.append(msg)
 
 
+def broadcast_rows(op_idx: torch.Tensor, broadcast: list[tuple[int, int]]) -> None:
+    """Copy each listed run's first row over its other rows (`routing.route_step`'s
+    `broadcast`), on `op_idx`'s device, queued after the upload of the step's rows on the same
+    stream. A few runs (a batch steering alike: one) are copied one by one; more (prompts each
+    steered its own way) by one gather and one scatter, not a copy launched per request."""
+    if len(broadcast) <= BROADCAST_LOOP_MAX:
+        for start, count in broadcast:
+            if count > 1:
+                op_idx[start + 1:start + count].copy_(op_idx[start:start + 1].expand(count - 1, -1))
+        return
+    src, dst = broadcast_sources(broadcast)
+    if len(src):
+        idx = upload(torch.from_numpy(np.stack([src, dst])), op_idx.device)
+        op_idx.index_copy_(0, idx[1], op_idx.index_select(0, idx[0]))
+
+
 class _Staging:
     """Host-side routing arrays. On a GPU: two pinned sets, used in turn, each guarded by the
     event of its last copy (the CPU prepares step N+1 while the GPU runs step N)."""
@@ -109,7 +126,7 @@ class _Staging:
         self.bufs = bufs
         self.on_device = bufs.device.type != "cpu"
         # Prompt chunks steered alike at every token, from this many rows: their first row is
-        # written here and copied over the rest on the device (`routing.broadcast_rows`). On
+        # written here and copied over the rest on the device (`broadcast_rows`). On
         # the CPU the arrays are the buffers themselves: written whole.
         self.broadcast_from = BROADCAST_FROM if self.on_device else None
         if self.on_device:
