@@ -179,7 +179,7 @@ def _admitted(rt, raws, tag):
 
 def _digest(rt, name):
     from vllm_hook.spec.vectors import vector_digest
-    return vector_digest(rt.named[name])
+    return vector_digest(np.full(H, 0.5 if name == "v" else 0.7, np.float32))
 
 
 def _norm(name):
@@ -229,3 +229,25 @@ def test_worker_shape_path_checks_the_coefficients():
     wire = {**res.wire, "steer": pack_steer(cols), "sd": "other"}
     rt.on_events(SchedulerEvents(new=(NewRequest("bad", wire, 10),)))
     assert "coefficients" in " ".join(rt.requests["bad"].errors)
+
+
+def test_worker_shape_path_takes_a_new_vector_from_the_wire_it_arrives_in():
+    """A shape first admitted with a registered name, later steered with the same values sent
+    inline after the name was deleted: the vector comes from the later wire, not the name."""
+    rt = _runtime()
+    named = {"steer": [{"op": "add", "layer": x, "vector": "v", "scale": 0.5} for x in range(L)]}
+    inline = _scaled({"steer": [{**op, "vector": [0.5] * H} for op in named["steer"]]}, 2.0)
+    [first] = _admitted(rt, [named], "a")
+    assert not first.errors
+    rt.on_events(SchedulerEvents(finished=frozenset(rt.requests)))
+    rt.delete_vectors(["v"])
+    assert rt.tables.vectors_in_use == 0
+    [later] = _admitted(rt, [inline], "b")
+    assert len(rt._steer_shapes._shapes) == 1 and not later.errors, later.errors
+    # the name is gone: while a row holds its values a request naming it steers with them,
+    [again] = _admitted(rt, [_scaled(named, 3.0)], "c")
+    assert again.errors == []
+    rt.on_events(SchedulerEvents(finished=frozenset(rt.requests)))
+    # and once none does it fails as before
+    [gone] = _admitted(rt, [_scaled(named, 4.0)], "d")
+    assert "not registered" in " ".join(gone.errors), gone.errors

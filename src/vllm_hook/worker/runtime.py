@@ -429,7 +429,7 @@ class HookRuntime:
             if shape is None:
                 shape = shape_of(ops, self.bufs.shape)
                 self._steer_shapes.put(shape_key, shape)
-            routes, groups = self._admit_steering(req, shape, coef)
+            routes, groups = self._admit_steering(req, shape, coef, ops)
             if not digest:
                 return routes
             shared = self.shared_steering[digest] = SharedSteering(routes, req.vec_rows, req.op_rows, 0, groups)
@@ -438,16 +438,18 @@ class HookRuntime:
         req.steer_share = digest
         return shared.routes
 
-    def _admit_steering(self, req: HookRequest, shape: SteerShape, coef: np.ndarray) -> tuple[tuple[SteerRoute, ...], SteerGroups]:
+    def _admit_steering(self, req: HookRequest, shape: SteerShape, coef: np.ndarray,
+                        ops: dict[str, list]) -> tuple[tuple[SteerRoute, ...], SteerGroups]:
         """A spec's steering of `shape` with coefficients `coef` (ops, 5) into the tables: a
-        vector row per distinct vector, an op row each with its parameters. Its routes and
-        their groups (`routing.group_steering`)."""
+        vector row per distinct vector (from the wire's columns `ops` where it is new), an op
+        row each with its parameters. Its routes and their groups (`routing.group_steering`)."""
         tables, K, n = self.tables, self.bufs.shape.ops_per_layer, shape.n
         rows = []
         try:
-            for d, refs, source in zip(shape.distinct, shape.refs, shape.sources):
-                values = self.named[source] if isinstance(source, str) else np.frombuffer(source, dtype=np.float32)
-                row = tables.acquire_vector(d, values, refs)
+            for d, refs, i in zip(shape.distinct, shape.refs, shape.firsts):
+                # new to the tables: its values, as this wire gives them
+                new = tables.row_of(d) is None
+                row = tables.acquire_vector(d, self._vector(ops, i) if new else None, refs)
                 rows.append(row)
                 req.vec_rows.append((row, refs))
             vec_rows = np.asarray(rows, dtype=np.int64)[shape.vidx]
@@ -464,6 +466,18 @@ class HookRuntime:
         routes = tuple(map(tuple.__new__, repeat(SteerRoute), zip(shape.cols, entries.tolist(), shape.sels, shape.poss)))
         groups = SteerGroups([(sel, pos, cols, entries[idx], sl) for sel, pos, cols, idx, sl in shape.groups])
         return routes, groups
+
+    def _vector(self, ops: dict[str, list], i: int) -> np.ndarray:
+        """The values of op `i`'s vector in a wire's columns: carried (float32 bytes, checked
+        here: a wire whose shape the worker knows has no other check of them) or named."""
+        vec, name = ops["vec"][i], ops["name"][i]
+        if vec is None:
+            if not isinstance(name, str):
+                raise ValueError(f"steering op {i}: neither a vector nor a registered name")
+            return self.named[name]
+        if not isinstance(vec, (bytes, bytearray)) or len(vec) != 4 * self.bufs.shape.hidden:
+            raise ValueError(f"steering op {i}: its vector is not {self.bufs.shape.hidden} float32 values")
+        return np.frombuffer(vec, dtype=np.float32)
 
     def _release_tables(self, req: HookRequest) -> None:
         if req.steer_share is not None:

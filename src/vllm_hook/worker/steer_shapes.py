@@ -5,8 +5,8 @@ rows, products of unit vectors, columns and groups, then a parameter row each. S
 alike but for their coefficients (a strength sweep, clients each at a scale of their own:
 `spec.rescale`) share everything but the parameter rows: kept here per steering shape (the
 wire's "ss": a digest of the layers, selectors, positions and vector digests). The columns a
-shape was made from are the ones used for every request of it, so a wire's other columns are
-never read again.
+shape was made from are the ones used for every request of it; of a later wire, only its
+coefficients and, for a vector not in the tables, the vector it carries (or names) are read.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 from ..model.buffers import BufferShape, op_col
 from ..routing import op_slots, steer_group_index
 
-MAX_SHAPES = 64               # kept at once: each holds its spec's inline vectors, if any
+MAX_SHAPES = 256              # kept at once
 
 
 @dataclass(eq=False)
@@ -28,7 +28,7 @@ class SteerShape:
     n: int                               # ops
     distinct: list[str]                  # each distinct vector's digest, in first use order
     refs: list[int]                      # ... the ops using it
-    sources: list                        # ... its float32 bytes, or its registered name
+    firsts: list[int]                    # ... its first op (whose "vec" or "name" gives it)
     vidx: np.ndarray                     # per op: its vector's index in `distinct`
     cols: list[int]                      # per op: op_idx column (`model.buffers.op_col`)
     sels: list[str]
@@ -73,7 +73,7 @@ def shape_of(ops: dict[str, list], shape: BufferShape) -> SteerShape:
                 if pairs:
                     earlier.append((i, pairs))
     index: dict[str, int] = {}
-    distinct, refs, sources = [], [], []
+    distinct, refs, firsts = [], [], []
     vidx = np.empty(n, dtype=np.int64)
     for i, d in enumerate(ops["digest"]):
         v = index.get(d)
@@ -81,12 +81,12 @@ def shape_of(ops: dict[str, list], shape: BufferShape) -> SteerShape:
             v = index[d] = len(distinct)
             distinct.append(d)
             refs.append(0)
-            sources.append(ops["vec"][i] if ops["vec"][i] is not None else ops["name"][i])
+            firsts.append(i)
         refs[v] += 1
         vidx[i] = v
     cols = op_col(shape, np.asarray(layers, dtype=np.int64), np.asarray(slots, dtype=np.int64)).tolist()
     sels, poss = list(ops["sel"]), [tuple(p) for p in ops["pos"]]
-    return SteerShape(n, distinct, refs, sources, vidx, cols, sels, poss, earlier,
+    return SteerShape(n, distinct, refs, firsts, vidx, cols, sels, poss, earlier,
                       steer_group_index(sels, poss, cols))
 
 

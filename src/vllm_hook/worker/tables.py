@@ -56,6 +56,10 @@ class DeviceTables:
         self._vec_refs[row] += refs
         return row
 
+    def row_of(self, digest: str) -> int | None:
+        """The row holding vector `digest`, if one does."""
+        return self._vec_rows.get(digest)
+
     def release_vector(self, row: int, refs: int = 1) -> None:
         self._vec_refs[row] -= refs
         if self._vec_refs[row] == 0:
