@@ -97,7 +97,7 @@ def _resolved(st, raw: Any, prompt_len: int) -> Resolved | None:
     (`spec.rescale`), else parsed and resolved."""
     cache, keep = call_key(raw)
     spec = st.resolved.spec(cache) if cache is not None else None
-    shape = None
+    shape = t = None
     if spec is None:
         shape = split(raw) if cache is not None else None
         if shape is not None:
@@ -117,7 +117,8 @@ def _resolved(st, raw: Any, prompt_len: int) -> Resolved | None:
         res = resolve(spec, st.info, st.cfg, prompt_len, st.names.get, st.max_model_len,
                       allow_pickles=allow_pickles(st))
         if cache is not None:
-            if shape is not None and shape_key is not None and st.resolved.second_sight(shape_key):
+            # (a kept template that refused this spec's numbers is kept as it is)
+            if shape is not None and shape_key is not None and t is None and st.resolved.second_sight(shape_key):
                 st.resolved.put_shape(shape_key, prompt_len, positional, template(
                     spec, res, st.info, st.cfg.max_ops_per_layer, unpack_steer(res.wire["steer"])))
             res = st.resolved.put(cache, prompt_len, res, keep, positional)

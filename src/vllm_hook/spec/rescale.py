@@ -4,8 +4,8 @@ A strength sweep, or a server whose clients each steer at a scale of their own, 
 that differ only in the `scale`, `min` and `max` of their steering ops. Each is new to the
 frontend's cache (`frontend.cache`): parsing (pydantic) and resolving a 28-op spec cost about
 110 µs a request on the CI machine. Here a raw spec splits into its shape (everything but those
-numbers) and its numbers (`split`); the first spec of a shape is parsed and resolved in full
-and kept as a `Template`; a later one only has its numbers checked and its coefficients,
+numbers) and its numbers (`split`); a spec of a shape seen before is parsed and resolved in
+full and kept as a `Template`; a later one only has its numbers checked and its coefficients,
 digest and steering blob computed as `resolve` computes them (`rescaled`). This path never
 decides an error: a number it does not pass (of another type, out of bounds, NaN) sends the
 spec the full way, which names the error.
@@ -32,7 +32,7 @@ def split(raw: Any) -> tuple[dict, list[tuple]] | None:
     a number of another type, not plain JSON values). Each op's shape keeps its field names,
     so a field present or absent is part of it."""
     if isinstance(raw, str):
-        if len(raw) > MAX_SPEC_CHARS:
+        if len(raw) > MAX_SPEC_CHARS or '"steer"' not in raw:
             return None
         try:
             raw = json.loads(raw)
@@ -64,7 +64,7 @@ def split(raw: Any) -> tuple[dict, list[tuple]] | None:
 class Template:
     """What a spec of this shape resolves to but for its coefficients."""
 
-    res: Resolved                      # the first spec's (kept by the cache, never a request's)
+    res: Resolved                      # what it was made from (kept by the cache, never a request's)
     kinds: tuple[int, ...]             # ADD, ADD_NORM, CAP or ABLATE per op
     bound: float                       # `steer_bound`
     cols: dict                         # the wire's steering columns, "c" aside

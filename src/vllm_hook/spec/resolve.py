@@ -282,6 +282,9 @@ def resolve(
                 raise SpecError(where, "cap needs min, max or both", 'add "min" and/or "max"')
             if lo > hi:
                 raise SpecError(where, f"min {lo} is greater than max {hi}", "swap or fix the bounds")
+            if lo == inf or hi == -inf:
+                raise SpecError(where, f"min {lo}, max {hi}: no projection lies within them",
+                                "pass finite bounds, or leave one out")
             coef = [0.0, 0.0, 0.0, lo, hi]
             need_norm = True
         else:

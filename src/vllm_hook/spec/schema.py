@@ -41,7 +41,10 @@ def _number(v: Any) -> Any:
         return v
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:              # an integer beyond any float
+        raise ValueError(f"{str(v)[:20]}... is too large for a number") from None
 
 
 Int = Annotated[int, BeforeValidator(_integer)]

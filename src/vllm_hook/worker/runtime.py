@@ -106,7 +106,8 @@ def broadcast_rows(op_idx: torch.Tensor, broadcast: list[tuple[int, int]]) -> No
     """Copy each listed run's first row over its other rows (`routing.route_step`'s
     `broadcast`), on `op_idx`'s device, queued after the upload of the step's rows on the same
     stream. A few runs (a batch steering alike: one) are copied one by one; more (prompts each
-    steered its own way) by one gather and one scatter, not a copy launched per request."""
+    steered its own way) by one gather and one scatter, not a copy launched per request (the
+    runs are disjoint, as `routing._write_whole` makes them: no run's rows are another's source)."""
     if len(broadcast) <= BROADCAST_LOOP_MAX:
         for start, count in broadcast:
             if count > 1:
@@ -323,7 +324,7 @@ class HookRuntime:
         if not shared and wire.get("steer"):       # its ops are read only when not shared
             wire = {**wire, "steer": unpack_steer(wire["steer"])}
             # Steering alike at other strengths: only its coefficients are read (and checked)
-            shape = self._steer_shapes.get(wire.get("ss"))
+            shape = self._steer_shapes.get(wire.get("ss"), wire["steer"])
         cd = wire.get("cd")
         if not wire.get("cap"):
             cd = ""                      # no captures (steering only): one entry for all
@@ -470,7 +471,10 @@ class HookRuntime:
     def _vector(self, ops: dict[str, list], i: int) -> np.ndarray:
         """The values of op `i`'s vector in a wire's columns: carried (float32 bytes, checked
         here: a wire whose shape the worker knows has no other check of them) or named."""
-        vec, name = ops["vec"][i], ops["name"][i]
+        try:
+            vec, name = ops["vec"][i], ops["name"][i]
+        except (KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"steering ops are malformed ({e!r})") from None
         if vec is None:
             if not isinstance(name, str):
                 raise ValueError(f"steering op {i}: neither a vector nor a registered name")

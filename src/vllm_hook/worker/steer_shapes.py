@@ -26,6 +26,8 @@ MAX_SHAPES = 256              # kept at once
 @dataclass(eq=False)
 class SteerShape:
     n: int                               # ops
+    layers: list[int]                    # the columns it was made from, as the wire gives
+    digests: list[str]                   # them: a wire naming this shape must repeat them
     distinct: list[str]                  # each distinct vector's digest, in first use order
     refs: list[int]                      # ... the ops using it
     firsts: list[int]                    # ... its first op (whose "vec" or "name" gives it)
@@ -86,7 +88,8 @@ def shape_of(ops: dict[str, list], shape: BufferShape) -> SteerShape:
         vidx[i] = v
     cols = op_col(shape, np.asarray(layers, dtype=np.int64), np.asarray(slots, dtype=np.int64)).tolist()
     sels, poss = list(ops["sel"]), [tuple(p) for p in ops["pos"]]
-    return SteerShape(n, distinct, refs, firsts, vidx, cols, sels, poss, earlier,
+    return SteerShape(n, list(ops["layer"]), list(ops["digest"]), distinct, refs, firsts, vidx, cols, sels, poss,
+                      earlier,
                       steer_group_index(sels, poss, cols))
 
 
@@ -96,10 +99,13 @@ class ShapeCache:
     def __init__(self):
         self._shapes: OrderedDict[str, SteerShape] = OrderedDict()
 
-    def get(self, key) -> SteerShape | None:
+    def get(self, key, ops: dict[str, list]) -> SteerShape | None:
+        """The shape kept for `key`, if the wire's columns `ops` repeat its layers and vectors
+        (else the wire is admitted, and checked, in full)."""
         got = self._shapes.get(key) if isinstance(key, str) else None
-        if got is not None:
-            self._shapes.move_to_end(key)
+        if got is None or ops.get("layer") != got.layers or ops.get("digest") != got.digests:
+            return None
+        self._shapes.move_to_end(key)
         return got
 
     def put(self, key, shape: SteerShape) -> None:

@@ -71,10 +71,12 @@ class DeviceTables:
     def acquire_ops(self, params: np.ndarray) -> list[int]:
         """Rows for the ops whose parameters are the rows of `params` (n, 4 + K)."""
         n = len(params)
+        if n == 0:
+            return []
         if n > len(self._free_ops):
             raise TableFull("the steering op table is full; too many steered requests are "
                             "preempted at once. Lower max_num_seqs or steer fewer layers")
-        rows = self._free_ops[-n:][::-1] if n else []
+        rows = self._free_ops[-n:][::-1]
         del self._free_ops[len(self._free_ops) - n:]
         self._ops.append((rows, params))
         return rows
