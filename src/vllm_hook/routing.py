@@ -97,14 +97,9 @@ def group_steering(steer: Sequence[SteerRoute]) -> SteerGroups:
     """Steering routes grouped by selector: (sel, pos, columns, op_idx values, the columns as
     a slice where they are evenly spaced, else the array). One write per group and step, not
     one per op (a request steering every layer has one group)."""
-    groups: dict[tuple, list[SteerRoute]] = {}
-    for r in steer:
-        groups.setdefault((r.sel, r.pos), []).append(r)
-    out = []
-    for (sel, pos), g in groups.items():
-        cols = np.array([r.col for r in g], dtype=np.int64)
-        out.append((sel, pos, cols, np.array([r.entry for r in g], dtype=np.int64), _as_slice(cols)))
-    return SteerGroups(out)
+    entries = np.array([r.entry for r in steer], dtype=np.int64)
+    return SteerGroups([(sel, pos, cols, entries[idx], sl) for sel, pos, cols, idx, sl in steer_group_index(
+        [r.sel for r in steer], [r.pos for r in steer], [r.col for r in steer])])
 
 
 def steer_group_index(sels: Sequence[str], poss: Sequence[tuple[int, ...]], cols: Sequence[int]) -> list[tuple]:

@@ -33,7 +33,7 @@ from .repeat import StepRepeat
 from .hooks import RequestHooks, WorkerHooks
 from .tables import DeviceTables, TableFull
 from .steer_shapes import ShapeCache, SteerShape, shape_of
-from .wire import check_coefficients, check_wire
+from .wire import check_coefficients, check_source, check_wire
 
 log = logging.getLogger("vllm_hook")
 HOOK_TENSOR_PREFIX = "hk"
@@ -475,13 +475,8 @@ class HookRuntime:
             vec, name = ops["vec"][i], ops["name"][i]
         except (KeyError, IndexError, TypeError) as e:
             raise ValueError(f"steering ops are malformed ({e!r})") from None
-        if vec is None:
-            if not isinstance(name, str):
-                raise ValueError(f"steering op {i}: neither a vector nor a registered name")
-            return self.named[name]
-        if not isinstance(vec, (bytes, bytearray)) or len(vec) != 4 * self.bufs.shape.hidden:
-            raise ValueError(f"steering op {i}: its vector is not {self.bufs.shape.hidden} float32 values")
-        return np.frombuffer(vec, dtype=np.float32)
+        check_source(i, name, vec, self.bufs.shape.hidden)
+        return self.named[name] if vec is None else np.frombuffer(vec, dtype=np.float32)
 
     def _release_tables(self, req: HookRequest) -> None:
         if req.steer_share is not None:

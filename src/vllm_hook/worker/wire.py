@@ -74,13 +74,18 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, ste
         raise ValueError("steering ops without a vector digest")
     if vecs.count(None) != n or set(map(type, names)) != {str}:
         for i, (name, vec) in enumerate(zip(names, vecs)):
-            if vec is None:
-                if not isinstance(name, str):
-                    raise ValueError(f"steering op {i}: neither a vector nor a registered name")
-            elif not isinstance(vec, (bytes, bytearray)) or len(vec) != 4 * hidden:
-                got = len(vec) if isinstance(vec, (bytes, bytearray)) else repr(vec)
-                raise ValueError(f"steering op {i}: vector of {got} bytes, expected {4 * hidden}")
+            check_source(i, name, vec, hidden)
     return coef
+
+
+def check_source(i: int, name: Any, vec: Any, hidden: int) -> None:
+    """Op `i`'s vector: `hidden` float32 values (bytes), or else a registered name."""
+    if vec is None:
+        if not isinstance(name, str):
+            raise ValueError(f"steering op {i}: neither a vector nor a registered name")
+    elif not isinstance(vec, (bytes, bytearray)) or len(vec) != 4 * hidden:
+        got = len(vec) if isinstance(vec, (bytes, bytearray)) else repr(vec)
+        raise ValueError(f"steering op {i}: vector of {got} bytes, expected {4 * hidden}")
 
 
 def check_coefficients(c, n: int) -> np.ndarray:
