@@ -11,6 +11,7 @@ Test servers run the tiny 4-layer, 128-wide model with max_model_len 512.
 from __future__ import annotations
 
 import base64
+import json
 import math
 
 import numpy as np
@@ -119,6 +120,11 @@ SPECS: dict[str, tuple] = {
                               ["steer[0]", "exceeds"]),
     "cap_bound_nan": ({"steer": [{"op": "cap", "layer": 0, "vector": GOOD, "max": math.nan}]}, 400,
                       ["steer[0].max", "NaN", "finite"]),
+    "cap_min_plus_inf": ({"steer": [{"op": "cap", "layer": 0, "vector": GOOD, "min": math.inf}]}, 400,
+                         ["steer[0]", "no projection lies within", "finite bounds"]),
+    # as JSON text: offline, vLLM itself refuses a dict holding an integer beyond int64
+    "scale_integer_beyond_float": (json.dumps(_add(scale=0)).replace('"scale": 0', '"scale": 1' + "0" * 400), 400,
+                                   ["steer[0].scale", "too large", "finite number"]),
     "norm_match_string": (_add(norm_match="yes"), 400, ["steer[0].norm_match", "true or false"]),
     "ablate_scale_overflowing": ({"steer": [{"op": "ablate", "layer": 0, "vector": GOOD, "scale": 1e35}]}, 400,
                                  ["steer[0]", "exceeds"]),
