@@ -53,7 +53,7 @@ def _full(raw, prompt_len=10):
 
 def _template(raw, prompt_len=10):
     spec, res = parse_spec(raw), _full(raw, prompt_len)
-    return template(spec, res, INFO, CFG.max_ops_per_layer, unpack_steer(res.wire["steer"]))
+    return template(spec, res, INFO, CFG.max_ops_per_layer)
 
 
 def _scaled(raw, f):

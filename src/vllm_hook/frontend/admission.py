@@ -16,7 +16,7 @@ from ..adapters.requests import add_cache_salt, params_of, prompt_len_of
 from ..spec.errors import SpecError
 from ..spec.lens import has_lens_args, translate
 from ..spec.rescale import rescaled, split, template
-from ..spec.resolve import Resolved, capture_bytes, resolve, unpack_steer
+from ..spec.resolve import Resolved, capture_bytes, resolve
 from ..spec.schema import SPEC_KEY, parse_spec
 from .cache import cache_key, call_key
 from .state import allow_pickles, maybe_state, state_of
@@ -97,7 +97,7 @@ def _resolved(st, raw: Any, prompt_len: int) -> Resolved | None:
     (`spec.rescale`), else parsed and resolved."""
     cache, keep = call_key(raw)
     spec = st.resolved.spec(cache) if cache is not None else None
-    shape = t = None
+    shape = shape_key = t = None
     if spec is None:
         shape = split(raw) if cache is not None else None
         if shape is not None:
@@ -118,9 +118,9 @@ def _resolved(st, raw: Any, prompt_len: int) -> Resolved | None:
                       allow_pickles=allow_pickles(st))
         if cache is not None:
             # (a kept template that refused this spec's numbers is kept as it is)
-            if shape is not None and shape_key is not None and t is None and st.resolved.second_sight(shape_key):
-                st.resolved.put_shape(shape_key, prompt_len, positional, template(
-                    spec, res, st.info, st.cfg.max_ops_per_layer, unpack_steer(res.wire["steer"])))
+            if shape_key is not None and t is None and st.resolved.second_sight(shape_key):
+                st.resolved.put_shape(shape_key, prompt_len, positional,
+                                      template(spec, res, st.info, st.cfg.max_ops_per_layer))
             res = st.resolved.put(cache, prompt_len, res, keep, positional)
     return res
 

@@ -19,7 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .resolve import STEER_COLUMNS, ModelInfo, Resolved, digest_of, pack_steer, reads_cached_prefix, steer_bound
+from .resolve import (STEER_COLUMNS, ModelInfo, Resolved, digest_of, pack_steer, reads_cached_prefix, steer_bound,
+                      unpack_steer)
 from .schema import MAX_SPEC_CHARS, AblateOp, AddOp, HookSpec
 
 ADD, ADD_NORM, CAP, ABLATE = range(4)
@@ -70,13 +71,12 @@ class Template:
     cols: dict                         # the wire's steering columns, "c" aside
 
 
-def template(spec: HookSpec, res: Resolved, model: ModelInfo, max_ops_per_layer: int,
-             cols: dict[str, list]) -> Template:
-    """`spec`, resolved as `res` (wire columns `cols`), as the template of its shape."""
+def template(spec: HookSpec, res: Resolved, model: ModelInfo, max_ops_per_layer: int) -> Template:
+    """`spec`, resolved as `res`, as the template of its shape."""
     kinds = tuple(ADD_NORM if isinstance(op, AddOp) and op.norm_match else ADD if isinstance(op, AddOp)
                   else ABLATE if isinstance(op, AblateOp) else CAP for op in spec.steer)
     return Template(res, kinds, steer_bound(model, max_ops_per_layer),
-                    {k: v for k, v in cols.items() if k != "c"})
+                    {k: v for k, v in unpack_steer(res.wire["steer"]).items() if k != "c"})
 
 
 def rescaled(t: Template, nums: list[tuple], prompt_len: int) -> Resolved | None:
