@@ -44,7 +44,9 @@ class RequestRoutes:
     @cached_property
     def steer_groups(self) -> SteerGroups:
         """Steering routes grouped by selector (`group_steering`)."""
-        return self.shared_groups if self.shared_groups is not None else group_steering(self.steer)
+        if self.shared_groups is not None:
+            return self.shared_groups
+        return group_steering(self.steer) if self.steer else NO_STEERING
 
     @cached_property
     def capture_groups(self) -> tuple[tuple[tuple, int, bool, np.ndarray, tuple[int, ...]], ...]:
@@ -91,6 +93,9 @@ class SteerGroups(tuple):
                     row[cols] = values
             rows[width] = row
         return rows[width]
+
+
+NO_STEERING = SteerGroups()      # a request that steers nothing (a capture): nothing to group
 
 
 def group_steering(steer: Sequence[SteerRoute]) -> SteerGroups:
