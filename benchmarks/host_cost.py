@@ -55,14 +55,17 @@ SPECS = {
     # generated token at 4 layers.
     "capture_all_tokens_4_layers": {"capture": [{"layers": [4, 9, 16, 26], "tokens": "all"}]},
 }
-# The same 28 ops with a scale of each request's own (a strength sweep, steering per user):
-# every request's spec is new to the frontend's cache and to the workers' shared steering.
+# The same 28 ops with a scale of each request's own (steering per user): every request's
+# spec is new to the frontend's cache and to the workers' shared steering. And a strength
+# sweep: 8 scales over the batch (each scale's later requests repeat its spec).
 SPECS["steer_add_all_layers_own_scale"] = SPECS["steer_add_all_layers"]
-OWN_SCALE = {"steer_add_all_layers_own_scale"}
+SPECS["steer_add_all_layers_8_scales"] = SPECS["steer_add_all_layers"]
+OWN_SCALE = {"steer_add_all_layers_own_scale": lambda i: 1 + i / 1024,
+             "steer_add_all_layers_8_scales": lambda i: 1 + (i % 8) / 8}
 
 
-def _own_scale(spec: dict, i: int) -> dict:
-    return {"steer": [{**op, "scale": op["scale"] * (1 + i / 1024)} for op in spec["steer"]]}
+def _own_scale(spec: dict, factor: float) -> dict:
+    return {"steer": [{**op, "scale": op["scale"] * factor} for op in spec["steer"]]}
 
 
 def frontend(cfg: HookConfig) -> SimpleNamespace:
@@ -75,18 +78,18 @@ def frontend(cfg: HookConfig) -> SimpleNamespace:
 
 
 def admit_batch(ip, spec: dict, n: int, cache: bool, one_object: bool = False,
-                varied: bool = False, own_scale: bool = False) -> tuple[float, list]:
+                varied: bool = False, own_scale=None) -> tuple[float, list]:
     """Seconds per request of the frontend's admission of `n` requests of `spec`: each its own
     copy of it (served: one parsed body per HTTP request), or with `one_object` the one
     object offline `LLM.generate` passes through for every prompt (`admission.Sealed`) in
     one call (`cache.one_call`). `varied`: prompts of 128 lengths around P, as a dataset's.
-    `own_scale`: each request's steering scale its own (`_own_scale`)."""
+    `own_scale`: request i's steering scale times `own_scale(i)` (`OWN_SCALE`)."""
     st = ip.__dict__[STATE_ATTR]
     st.resolved.clear()
     shared = Sealed(json.loads(json.dumps(spec)))
     reqs = [SimpleNamespace(sampling_params=SimpleNamespace(
         extra_args={"vllm_hook": shared if one_object else
-                    json.loads(json.dumps(_own_scale(spec, i) if own_scale else spec))},
+                    json.loads(json.dumps(_own_scale(spec, own_scale(i)) if own_scale else spec))},
         skip_reading_prefix_cache=False), prompt_token_ids=list(range(P - 64 + i % 128 if varied else P)),
         cache_salt=None) for i in range(n)]
     with one_call():
@@ -150,7 +153,7 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
 def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: int, args, rnd: int) -> dict:
     """One batch of `n` requests of spec `name` through admission, routing, finish and
     delivery; µs per request by stage."""
-    spec, own = SPECS[name], name in OWN_SCALE
+    spec, own = SPECS[name], OWN_SCALE.get(name)
     cold, _ = admit_batch(ip, spec, n, cache=False, own_scale=own)
     # (one object for every prompt cannot give each its own scale)
     offline, _ = admit_batch(ip, spec, n, cache=True, one_object=not own, own_scale=own)

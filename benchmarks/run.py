@@ -13,6 +13,7 @@ Writes DIR/results.json and DIR/report.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -141,14 +142,20 @@ def workloads(L: int) -> dict:
     four = tracker_layers(L)
     steer1 = {"steer": [{"op": "add", "layer": mid, "vector": "bench_a", "scale": 0.5}]}
     cap4 = {"capture": [{"layers": four, "tokens": "all"}]}
+
+    def steer_all(scale: float) -> dict:
+        return {"steer": [{"op": "add", "layer": x, "vector": "bench_a", "scale": scale} for x in range(L)]}
+
     return {
         "unused": lambda i: None,
         "steer_add_1_layer": lambda i: steer1,
         "steer_add_all_layers": lambda i: {"steer": [{"op": "add", "layer": x, "vector": "bench_a",
                                                       "scale": 0.05} for x in range(L)]},
-        # The same with a scale of each request's own (a strength sweep): every spec new
-        "steer_add_all_layers_own_scale": lambda i: {"steer": [{"op": "add", "layer": x, "vector": "bench_a",
-                                                                "scale": 0.05 * (1 + i / 1024)} for x in range(L)]},
+        # The same with a scale of each request's own, new at every call (steering per user):
+        # no spec ever repeats, so none is an exact hit in the frontend's cache
+        "steer_add_all_layers_own_scale": lambda i: steer_all(0.05 * (1 + next(_FRESH) / (1 << 20))),
+        # A strength sweep: 8 scales over the batch's prompts (each scale's later requests repeat it)
+        "steer_add_all_layers_8_scales": lambda i: steer_all(0.05 * (1 + (i % 8) / 8)),
         "cap_1_layer": lambda i: {"steer": [{"op": "cap", "layer": mid, "vector": "bench_b", "min": -1.0,
                                              "max": 1.0}]},
         "capture_last_prompt_4_layers": lambda i: {"capture": [{"layers": four, "tokens": "last_prompt"}]},
@@ -165,7 +172,8 @@ def workloads(L: int) -> dict:
 
 
 # Decode-time workloads run only when named (--workloads): the throughput benchmarks' rows.
-OPT_IN = {"steer_add_all_layers_own_scale"}
+OPT_IN = {"steer_add_all_layers_own_scale", "steer_add_all_layers_8_scales"}
+_FRESH = itertools.count(1)         # the own-scale workload's scales: never the same twice
 
 
 def median(xs):

@@ -26,7 +26,8 @@ from pool import median_ci  # noqa: E402
 from run import Record, bench_parser, model_and_base, run_meta, start, workloads  # noqa: E402
 
 BIG = ("capture_all_tokens_all_layers", "capture_all_tokens_all_layers_model_dtype")
-TARGETS = {("steer_add_all_layers", False): 1.03, ("steer_add_all_layers_own_scale", False): 1.03, ("capture_last_prompt_4_layers", False): 1.03,
+TARGETS = {("steer_add_all_layers", False): 1.03, ("steer_add_all_layers_own_scale", False): 1.03,
+           ("steer_add_all_layers_8_scales", False): 1.03, ("capture_last_prompt_4_layers", False): 1.03,
            ("mixed_thirds", False): 1.05, ("prefill", True): 1.10, **{(b, False): 1.5 for b in BIG}}
 STAGES = {  # counter (frontend or worker timing) -> stage name
     "frontend.admit_s": "admission (parse, resolve)", "worker.events_s": "worker admit/finish",
@@ -57,10 +58,10 @@ def counters(w) -> dict:
 
 
 def run_case(native, plugin, name, spec_of, n, plen, gen, reps) -> dict:
-    specs = [spec_of(i) for i in range(n)]
     rows = []
     before = counters(plugin)
     for rep in range(reps):
+        specs = [spec_of(i) for i in range(n)]      # per rep: a workload may make each spec new
         tn, _ = timed(native, n, plen, gen, None, rep) if native is not None else (None, 0.0)
         if rep % 2:
             tu, gu = timed(plugin, n, plen, gen, None, rep)

@@ -158,6 +158,33 @@ def test_admission_takes_the_shape_path_from_the_second_spec_of_a_shape_on():
     assert not st.resolved._shapes
 
 
+@pytest.mark.parametrize("raw", [SHAPES[0], SHAPES[3]])
+def test_a_sweep_repeating_its_strengths_finds_them_kept(raw):
+    """A spec resolved from its shape's template is kept by its exact content: the sweep's
+    later requests at that strength are a lookup (for a spec naming positions, at that prompt
+    length only), each with a wire of its own, equal to the full way's."""
+    ip, st = _frontend()
+    for i, f in enumerate([1.0, 2.0, 3.0]):
+        _admit(ip, str(i), _request(_scaled(raw, f)))
+    hits = st.resolved.hits
+    r = _request(_scaled(raw, 2.0))
+    _admit(ip, "again", r)
+    assert st.resolved.hits == hits + 1
+    w = r.sampling_params.extra_args["vllm_hook"]
+    assert {**w, "key": None, "t": None} == {**_full(_scaled(raw, 2.0)).wire, "key": None, "t": None}
+    w["steer"] = b"changed by its request"            # a request's wire is its own
+    r2 = _request(_scaled(raw, 2.0))
+    _admit(ip, "thrice", r2)
+    w2 = r2.sampling_params.extra_args["vllm_hook"]
+    assert w2["key"] != w["key"] and w2["steer"] == _full(_scaled(raw, 2.0)).wire["steer"]
+    # another prompt length: the kept one serves it unless the spec names positions
+    r3 = _request(_scaled(raw, 2.0), prompt_len=12)
+    _admit(ip, "longer", r3)
+    assert st.resolved.hits == hits + 2 + (raw is SHAPES[0])
+    assert {**r3.sampling_params.extra_args["vllm_hook"], "key": None, "t": None} == \
+        {**_full(_scaled(raw, 2.0), 12).wire, "key": None, "t": None}
+
+
 def _runtime():
     points = PointTable.for_config(L, CFG)
     shape = BufferShape.for_engine(num_layers=L, hidden=H, max_num_batched_tokens=64, max_num_seqs=8,

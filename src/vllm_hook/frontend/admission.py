@@ -99,13 +99,18 @@ def _resolved(st, raw: Any, prompt_len: int) -> Resolved | None:
     spec = st.resolved.spec(cache) if cache is not None else None
     shape = shape_key = t = None
     if spec is None:
+        res = st.resolved.resolved(cache, prompt_len) if cache is not None else None
+        if res is not None:              # resolved from its shape before
+            return res
         shape = split(raw) if cache is not None else None
         if shape is not None:
             shape_key = cache_key(shape[0])[0]
             t = st.resolved.shape(shape_key, prompt_len) if shape_key is not None else None
             res = rescaled(t, shape[1], prompt_len) if t is not None else None
             if res is not None:
-                return res
+                # kept by its exact content too: a sweep's later requests at this strength
+                # are a lookup (the kept one is never a request's: `put` hands out a copy)
+                return st.resolved.put(cache, prompt_len, res, keep, t.positional)
         spec = parse_spec(raw)
         if cache is not None:
             st.resolved.put_spec(cache, spec, keep)

@@ -167,6 +167,14 @@ class ResolvedCache:
         self.hits += 1
         return own_copy(got[0], prompt_len)
 
+    def resolved(self, key: str, prompt_len: int) -> Resolved | None:
+        """`get` for a spec not parsed here (kept by `put` from its shape's template: a
+        strength sweep repeats its strengths), whether or not it names positions."""
+        if not self._resolved:
+            return None
+        got = self.get(key, prompt_len, False)
+        return got if got is not None else self.get(key, prompt_len, True)
+
     def put(self, key: str, prompt_len: int, res: Resolved, keep: list, positional: bool = True) -> Resolved:
         """Keep `res`; the request that resolved it gets a copy (the kept one is never a request's)."""
         self._resolved[(key, prompt_len if positional else None)] = (res, keep)

@@ -69,6 +69,7 @@ class Template:
     kinds: tuple[int, ...]             # ADD, ADD_NORM, CAP or ABLATE per op
     bound: float                       # `steer_bound`
     cols: dict                         # the wire's steering columns, "c" aside
+    positional: bool                   # the spec names token positions (`HookSpec.positional`)
 
 
 def template(spec: HookSpec, res: Resolved, model: ModelInfo, max_ops_per_layer: int) -> Template:
@@ -76,7 +77,7 @@ def template(spec: HookSpec, res: Resolved, model: ModelInfo, max_ops_per_layer:
     kinds = tuple(ADD_NORM if isinstance(op, AddOp) and op.norm_match else ADD if isinstance(op, AddOp)
                   else ABLATE if isinstance(op, AblateOp) else CAP for op in spec.steer)
     return Template(res, kinds, steer_bound(model, max_ops_per_layer),
-                    {k: v for k, v in unpack_steer(res.wire["steer"]).items() if k != "c"})
+                    {k: v for k, v in unpack_steer(res.wire["steer"]).items() if k != "c"}, spec.positional)
 
 
 def rescaled(t: Template, nums: list[tuple], prompt_len: int) -> Resolved | None:
