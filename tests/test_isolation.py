@@ -132,11 +132,15 @@ def test_requests_steering_alike_at_strengths_of_their_own(llm):
                 + [{"op": "cap", "layer": 3, "vector": v[3], "max": s / 10}],
                 "capture": [{"layers": [3], "tokens": "last"}]}
 
-    scales = [0.5, 1.0, 2.0, -1.0, 3.0, -2.0]
+    # the last two repeat strengths resolved from the template: exact hits in the frontend's
+    # cache, steering shared on the workers with the earlier request at that strength
+    scales = [0.5, 1.0, 2.0, -1.0, 3.0, -2.0, 2.0, -1.0]
     ids = [ids_of(llm, PROMPTS[i % len(PROMPTS)]) for i in range(len(scales))]
     st.resolved.clear()
+    hits = st.resolved.hits
     together = run(llm, ids, [sp(spec(s), max_tokens=6) for s in scales])
     assert st.resolved._shapes and runtime(llm)._steer_shapes._shapes
+    assert st.resolved.hits == hits + 2
     for i, s in enumerate(scales):
         st.resolved.clear()                      # the full way, frontend and worker
         runtime(llm)._steer_shapes.clear()
