@@ -93,8 +93,8 @@ def admit(input_processor: Any, request_id: str, request: Any) -> None:
 
 def _resolved(st, raw: Any, prompt_len: int) -> Resolved | None:
     """The request's own resolution of spec `raw` (None: the spec asks for nothing): kept
-    ones copied where the cache has the spec (`frontend.cache`), or its shape
-    (`spec.rescale`), else parsed and resolved."""
+    ones copied where the cache has the spec (`frontend.cache`: parsed here, or made from
+    its shape's template before), or its shape (`spec.rescale`), else parsed and resolved."""
     cache, keep = call_key(raw)
     spec = st.resolved.spec(cache) if cache is not None else None
     shape = shape_key = t = None
