@@ -253,8 +253,8 @@ def test_worker_shape_path_checks_the_coefficients():
     _admitted(rt, [SHAPES[0]], "a")
     res = _full(_scaled(SHAPES[0], 0.5))
     cols = unpack_steer(res.wire["steer"])
-    cols["c"][0] = math.nan
-    from vllm_hook.spec.resolve import pack_steer
+    from vllm_hook.spec.resolve import coefficients, pack_steer
+    cols["c"] = [math.nan, *coefficients(cols["c"])[1:]]
     wire = {**res.wire, "steer": pack_steer(cols), "sd": "other"}
     rt.on_events(SchedulerEvents(new=(NewRequest("bad", wire, 10),)))
     assert "coefficients" in " ".join(rt.requests["bad"].errors)

@@ -120,9 +120,9 @@ def test_coefficients():
     inf = math.inf
     assert [s["c"] for s in steer_ops(w)] == [[2.0, 0, 0, -inf, inf], [0, 0.5, 0, -inf, inf],
                                               [0, 0, 0, -inf, 1.5], [0, 0, -0.75, -inf, inf]]
-    # columns, the coefficients flat: the worker reads them as arrays
+    # columns, the coefficients flat float64 bytes: the worker reads them as arrays
     cols = unpack_steer(w)
-    assert cols["layer"] == [0, 1, 2, 3] and len(cols["c"]) == 20 and cols["name"] == [None] * 4
+    assert cols["layer"] == [0, 1, 2, 3] and len(cols["c"]) == 20 * 8 and cols["name"] == [None] * 4
 
 
 def test_vectors_in_every_form():

@@ -10,8 +10,8 @@ import pytest
 
 from vllm_hook.config import HookConfig
 from vllm_hook.model.layout import PointTable
-from vllm_hook.spec.resolve import pack_steer, steer_ops, unpack_steer
-from vllm_hook.worker.wire import check_wire
+from vllm_hook.spec.resolve import coefficients, pack_steer, steer_ops, unpack_steer
+from vllm_hook.worker.wire import check_coefficients, check_wire
 
 L, H = 4, 8
 POINTS = PointTable.for_config(L, HookConfig())
@@ -27,8 +27,9 @@ def test_packed_and_hand_made_ops_read_the_same():
                 "vec": np.ones(H, np.float32).tobytes()}]
     blob = pack_steer(unpack_steer(ops))
     packed = unpack_steer(blob)
-    assert packed == unpack_steer(ops)
-    assert packed["c"] == OK["c"] * 2                      # flat, five an op
+    assert {**packed, "c": None} == {**unpack_steer(ops), "c": None}
+    assert coefficients(packed["c"]) == OK["c"] * 2         # flat, five an op, float64 bytes
+    assert np.frombuffer(packed["c"]).tolist() == OK["c"] * 2
     assert steer_ops(blob)[1]["pos"] == [2, 5]
     check(ops)
     check_wire({"P": 8, "steer": packed}, L, H, POINTS)
@@ -59,3 +60,11 @@ def test_columns_of_different_lengths():
     cols["sel"] = ["all"]
     with pytest.raises(ValueError, match="malformed"):
         check_wire({"P": 8, "steer": cols}, L, H, POINTS)
+
+
+@pytest.mark.parametrize("c", [b"\x00" * 7, b"\x00" * 32, np.array([math.nan, 0, 0, 0, 0]).tobytes(),
+                               np.array([0, 0, math.inf, 0, 0]).tobytes()])
+def test_malformed_coefficient_bytes(c):
+    with pytest.raises(ValueError, match="malformed|coefficients"):
+        check_coefficients(c, 1)
+    assert check_coefficients(np.array([1, 0, 0, -math.inf, math.inf]).tobytes(), 1).shape == (1, 5)

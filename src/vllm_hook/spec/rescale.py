@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .resolve import (STEER_COLUMNS, ModelInfo, Resolved, digest_of, pack_steer, reads_cached_prefix, steer_bound,
-                      unpack_steer)
+from .resolve import (STEER_COLUMNS, ModelInfo, Resolved, coef_bytes, digest_of, pack_steer, reads_cached_prefix,
+                      shape_bytes, steer_bound, unpack_steer)
 from .schema import MAX_SPEC_CHARS, AblateOp, AddOp, HookSpec
 
 ADD, ADD_NORM, CAP, ABLATE = range(4)
@@ -69,6 +69,7 @@ class Template:
     kinds: tuple[int, ...]             # ADD, ADD_NORM, CAP or ABLATE per op
     bound: float                       # `steer_bound`
     cols: dict                         # the wire's steering columns, "c" aside
+    shape: bytes                       # their `shape_bytes`
     positional: bool                   # the spec names token positions (`HookSpec.positional`)
 
 
@@ -76,8 +77,8 @@ def template(spec: HookSpec, res: Resolved, model: ModelInfo, max_ops_per_layer:
     """`spec`, resolved as `res`, as the template of its shape."""
     kinds = tuple(ADD_NORM if isinstance(op, AddOp) and op.norm_match else ADD if isinstance(op, AddOp)
                   else ABLATE if isinstance(op, AblateOp) else CAP for op in spec.steer)
-    return Template(res, kinds, steer_bound(model, max_ops_per_layer),
-                    {k: v for k, v in unpack_steer(res.wire["steer"]).items() if k != "c"}, spec.positional)
+    cols = {k: v for k, v in unpack_steer(res.wire["steer"]).items() if k != "c"}
+    return Template(res, kinds, steer_bound(model, max_ops_per_layer), cols, shape_bytes(cols), spec.positional)
 
 
 def rescaled(t: Template, nums: list[tuple], prompt_len: int) -> Resolved | None:
@@ -86,7 +87,7 @@ def rescaled(t: Template, nums: list[tuple], prompt_len: int) -> Resolved | None
     bound, c = t.bound, []
     try:
         for kind, norm, (s, lo, hi) in zip(t.kinds, t.res.steer_norms, nums):
-            # As `resolve` computes them (its literals: msgpack tells 0 from 0.0)
+            # As `resolve` computes them
             if kind == ADD:
                 s = 1.0 if s is None else float(s)
                 if not (abs(s) <= bound and abs(s) * norm <= bound):    # NaN fails it too
@@ -111,11 +112,12 @@ def rescaled(t: Template, nums: list[tuple], prompt_len: int) -> Resolved | None
                 c += (0.0, 0.0, 0.0, lo, hi)
     except OverflowError:          # an integer too large for a float
         return None
+    c = coef_bytes(c)
     cols = {k: c if k == "c" else t.cols[k] for k in STEER_COLUMNS}
     res = t.res
     out = object.__new__(Resolved)
     key = os.urandom(16).hex()
-    digest = digest_of(cols)
+    digest = digest_of(t.shape, c)
     out.__dict__ = {**res.__dict__, "key": key, "steer_digest": digest,
                     "wire": {**res.wire, "key": key, "steer": pack_steer(cols), "sd": digest}}
     if prompt_len != res.prompt_len:

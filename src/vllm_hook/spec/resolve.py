@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -31,13 +32,34 @@ STEER_COLUMNS = ("layer", "sel", "pos", "c", "digest", "name", "vec")
 
 
 def pack_steer(cols: dict[str, list]) -> bytes:
-    """A wire's steering ops as one msgpack blob of columns (`STEER_COLUMNS`; "c" flat, five
-    numbers an op; "name" or "vec" None where the op has the other): vLLM serialises each
-    request's extra_args to the engine core field by field (24 µs a request on the CPU to
-    decode a 28-op list), a blob in one piece, and columns let the worker check and admit a
-    new spec's ops in array operations. A worker whose requests already steer alike never
-    opens it."""
-    return _PACK.encode(cols)
+    """A wire's steering ops as one msgpack blob of columns (`STEER_COLUMNS`; "c" the ops'
+    five numbers each as float64 bytes, `coef_bytes`; "name" or "vec" None where the op has
+    the other): vLLM serialises each request's extra_args to the engine core field by field
+    (24 µs a request on the CPU to decode a 28-op list), a blob in one piece, and columns let
+    the worker check and admit a new spec's ops in array operations. A worker whose requests
+    already steer alike never opens it."""
+    return _PACK.encode({**cols, "c": coef_bytes(cols["c"])})
+
+
+def coef_bytes(c) -> bytes:
+    """Steering coefficients (flat, five an op) as float64 bytes: the worker reads them with
+    one `np.frombuffer`, and their digest (`digest_of`) is of their values, not of how a list
+    spelled them (0 and 0.0 alike)."""
+    if isinstance(c, (bytes, bytearray)):
+        return bytes(c)
+    return _float64s(len(c)).pack(*c)
+
+
+_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _float64s(n: int) -> struct.Struct:
+    got = _STRUCTS.get(n)
+    if got is None:
+        got = struct.Struct(f"<{n}d")
+        if len(_STRUCTS) < 64:
+            _STRUCTS[n] = got
+    return got
 
 
 def _columns(ops: list[dict]) -> dict[str, list]:
@@ -47,18 +69,26 @@ def _columns(ops: list[dict]) -> dict[str, list]:
 
 
 def unpack_steer(ops: bytes | list) -> dict[str, list]:
-    """The columns of a wire's "steer" (a blob, or a list of op dicts in a wire made by hand)."""
+    """The columns of a wire's "steer" (a blob, "c" as float64 bytes; or a list of op dicts in a
+    wire made by hand, "c" a list)."""
     if isinstance(ops, (bytes, bytearray, memoryview)):
         return msgspec.msgpack.decode(ops)
     return _columns([op if isinstance(op, dict) else {} for op in ops])
 
 
+def coefficients(c) -> list[float]:
+    """A wire's "c" column as a list of floats (`coef_bytes` or a list)."""
+    if isinstance(c, (bytes, bytearray)):
+        return list(_float64s(len(c) // 8).unpack(c))
+    return list(c)
+
+
 def steer_ops(ops: bytes | list) -> list[dict]:
     """The ops of a wire's "steer", one dict each (for reading and tests)."""
     cols = unpack_steer(ops)
-    c = cols["c"]
+    c = coefficients(cols["c"])
     return [{**{k: cols[k][i] for k in STEER_COLUMNS if k != "c" and cols[k][i] is not None},
-             "c": list(c[5 * i:5 * i + 5])} for i in range(len(cols["layer"]))]
+             "c": c[5 * i:5 * i + 5]} for i in range(len(cols["layer"]))]
 
 
 # Distinct (site, layer, selector) captures of one spec: 7 sites x 128 layers x 4 selectors fit.
@@ -337,11 +367,12 @@ def resolve(
     _check_slots(cols["sel"], cols["pos"], per_layer, config.max_ops_per_layer)
     steer_digest = steer_shape = None
     if spec.steer:
-        steer_digest = digest_of(cols)
         # Steering alike but for its coefficients: the workers share what does not depend on
         # them (`worker.runtime`, steering shapes)
-        steer_shape = hashlib.sha256(_PACK.encode([cols["layer"], cols["sel"], cols["pos"],
-                                                   cols["digest"]])).hexdigest()[:24]
+        cols["c"] = coef_bytes(cols["c"])
+        shape = shape_bytes(cols)
+        steer_shape = hashlib.sha256(shape).hexdigest()[:24]
+        steer_digest = digest_of(shape, cols["c"])
 
     # Cached prefix tokens are never recomputed, so their activations would not exist.
     # vLLM always recomputes the last prompt token, so only earlier positions force a recompute.
@@ -367,12 +398,18 @@ def resolve(
                     hooks=len(wire_hooks), steer_norms=tuple(norms))
 
 
-def digest_of(cols: dict[str, list]) -> str:
-    """The digest of a spec's steering (its wire columns): equal layers, tokens, coefficients
-    and vectors (by digest, whatever their names), equal digest. msgpack: a third of sorted
-    JSON's time."""
-    same = [cols["layer"], cols["sel"], cols["pos"], cols["c"], cols["digest"]]
-    return hashlib.sha256(_PACK.encode(same)).hexdigest()[:24]
+def shape_bytes(cols: dict[str, list]) -> bytes:
+    """What a spec's steering is but for its coefficients (layers, tokens, vectors by digest,
+    whatever their names), encoded: its shape's digest ("ss") and, with the coefficients,
+    its steering's (`digest_of`) are of these bytes."""
+    return _PACK.encode([cols["layer"], cols["sel"], cols["pos"], cols["digest"]])
+
+
+def digest_of(shape: bytes, c) -> str:
+    """The digest of a spec's steering: its `shape_bytes` and coefficients (`coef_bytes`);
+    equal layers, tokens, coefficients and vectors (by digest, whatever their names), equal
+    digest."""
+    return hashlib.sha256(shape + coef_bytes(c)).hexdigest()[:24]
 
 
 def _check_coefficients(coef: list[float], bound: float, where: str, model: ModelInfo) -> None:

@@ -322,9 +322,10 @@ class HookRuntime:
         shared = isinstance(sd, str) and sd in self.shared_steering
         shape = None
         if not shared and wire.get("steer"):       # its ops are read only when not shared
-            wire = {**wire, "steer": unpack_steer(wire["steer"])}
             # Steering alike at other strengths: only its coefficients are read (and checked)
-            shape = self._steer_shapes.get(wire.get("ss"), wire["steer"])
+            ops = self._steer_shapes.columns(wire.get("ss"), wire["steer"])
+            shape = self._steer_shapes.get(wire.get("ss"), ops) if ops is not None else None
+            wire = {**wire, "steer": ops if shape is not None else unpack_steer(wire["steer"])}
         cd = wire.get("cd")
         if not wire.get("cap"):
             cd = ""                      # no captures (steering only): one entry for all
@@ -471,6 +472,8 @@ class HookRuntime:
     def _vector(self, ops: dict[str, list], i: int) -> np.ndarray:
         """The values of op `i`'s vector in a wire's columns: carried (float32 bytes, checked
         here: a wire whose shape the worker knows has no other check of them) or named."""
+        if "vec" not in ops and "blob" in ops:       # read for a kept shape: `ShapeCache.columns`
+            ops.update(unpack_steer(ops["blob"]))
         try:
             vec, name = ops["vec"][i], ops["name"][i]
         except (KeyError, IndexError, TypeError) as e:

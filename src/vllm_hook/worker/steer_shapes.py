@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+import msgspec
 import numpy as np
 
 from ..model.buffers import BufferShape, op_col
@@ -93,11 +94,33 @@ def shape_of(ops: dict[str, list], shape: BufferShape) -> SteerShape:
                       steer_group_index(sels, poss, cols))
 
 
+class _Known(msgspec.Struct):
+    """What a wire of a kept shape is read for: its coefficients, and the layers and vector
+    digests `ShapeCache.get` compares; its other columns are skipped, not decoded."""
+    layer: Any = None
+    digest: Any = None
+    c: Any = None
+
+
+_READ_KNOWN = msgspec.msgpack.Decoder(_Known)
+
+
 class ShapeCache:
     """Steering shapes by the wire's "ss", the least recently used dropped beyond MAX_SHAPES."""
 
     def __init__(self):
         self._shapes: OrderedDict[str, SteerShape] = OrderedDict()
+
+    def columns(self, key, blob) -> dict | None:
+        """The columns of a wire's steering `blob` that a kept shape `key` needs (with the blob,
+        for a vector new to the tables: `full_columns`), or None: not kept, or not a blob."""
+        if not isinstance(blob, bytes) or not isinstance(key, str) or key not in self._shapes:
+            return None
+        try:
+            k = _READ_KNOWN.decode(blob)
+        except msgspec.MsgspecError:
+            return None                  # the full way names what is wrong
+        return {"layer": k.layer, "digest": k.digest, "c": k.c, "blob": blob}
 
     def get(self, key, ops: dict[str, list]) -> SteerShape | None:
         """The shape kept for `key`, if the wire's columns `ops` repeat its layers and vectors

@@ -89,15 +89,19 @@ def check_source(i: int, name: Any, vec: Any, hidden: int) -> None:
 
 
 def check_coefficients(c, n: int) -> np.ndarray:
-    """The (n, 5) coefficients of `n` steering ops from a wire's flat "c" column, or
-    ValueError: 5 numbers each, none NaN, the first 3 finite."""
+    """The (n, 5) coefficients of `n` steering ops from a wire's flat "c" column (float64
+    bytes, `spec.resolve.coef_bytes`, or a list), or ValueError: 5 numbers each, none NaN,
+    the first 3 finite."""
     try:
-        coef = np.asarray(c, dtype=np.float64)
+        if isinstance(c, (bytes, bytearray)):
+            coef = np.frombuffer(c, dtype=np.float64)
+        else:
+            coef = np.asarray(c, dtype=np.float64)
     except (TypeError, ValueError) as e:
         raise ValueError(f"steering ops are malformed ({e})") from None
     if coef.shape != (5 * n,):
         raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
     coef = coef.reshape(n, 5)
-    if np.isnan(coef).any() or not np.isfinite(coef[:, :3]).all():
+    if not np.isfinite(coef[:, :3]).all() or np.isnan(coef[:, 3:]).any():
         raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
     return coef
