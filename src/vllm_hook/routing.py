@@ -16,7 +16,7 @@ import numpy as np
 from .spec.resolve import selected_mask
 
 
-class SteerRoute(NamedTuple):   # one per op of a new spec at admission: a tuple is cheapest
+class SteerRoute(NamedTuple):   # one per op (a worker admits plain tuples in this field order)
     col: int                  # op-index column of (layer, slot): model.buffers.op_col
     entry: int                # its op_idx value: model.buffers.pack_op(op row, vector row)
     sel: str
@@ -102,9 +102,10 @@ def group_steering(steer: Sequence[SteerRoute]) -> SteerGroups:
     """Steering routes grouped by selector: (sel, pos, columns, op_idx values, the columns as
     a slice where they are evenly spaced, else the array). One write per group and step, not
     one per op (a request steering every layer has one group)."""
-    entries = np.array([r.entry for r in steer], dtype=np.int64)
+    # (by position: a worker's routes are plain tuples in SteerRoute's field order)
+    entries = np.array([r[1] for r in steer], dtype=np.int64)
     return SteerGroups([(sel, pos, cols, entries[idx], sl) for sel, pos, cols, idx, sl in steer_group_index(
-        [r.sel for r in steer], [r.pos for r in steer], [r.col for r in steer])])
+        [r[2] for r in steer], [r[3] for r in steer], [r[0] for r in steer])])
 
 
 def steer_group_index(sels: Sequence[str], poss: Sequence[tuple[int, ...]], cols: Sequence[int]) -> list[tuple]:

@@ -8,6 +8,7 @@ a step fail for the others in its batch. A failure fails that request only.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,9 @@ def check_coefficients(c, n: int) -> np.ndarray:
     if coef.shape != (5 * n,):
         raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
     coef = coef.reshape(n, 5)
-    if not np.isfinite(coef[:, :3]).all() or np.isnan(coef[:, 3:]).any():
+    # Two reductions, not four ufuncs: a sum is finite only if its terms are (a sum too large
+    # for float64 is refused too: the frontend's bounds are far below it); a max is NaN if a
+    # term is
+    if not math.isfinite(float(coef[:, :3].sum())) or math.isnan(float(coef[:, 3:].max())):
         raise ValueError("steering coefficients are not 5 numbers each, the first 3 finite")
     return coef
