@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny 28-layer model, small batches")
+    ap.add_argument("--cases", nargs="+", metavar="WORKLOAD:REQUESTS:GENERATED",
+                    help="the cases to profile (default: %s)" % " ".join(f"{w}:{n}:{g}" for w, n, g in CASES))
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # engine core and worker in this process
     import torch
@@ -57,6 +59,8 @@ def main() -> None:
                   kv_cache_memory_bytes=256 << 20, enforce_eager=True, seed=0, additional_config=hook_cfg)
     else:
         model, cases, plen = args.model, CASES, 128
+    if args.cases:
+        cases = tuple((w, int(n), int(g)) for w, n, g in (c.split(":") for c in args.cases))
         llm = LLM(model, dtype="bfloat16", max_model_len=4096, max_num_seqs=256, skip_tokenizer_init=True,
                   gpu_memory_utilization=0.35, seed=0, disable_log_stats=False, additional_config=hook_cfg)
     cfg = json.loads((Path(model) / "config.json").read_text())
