@@ -32,8 +32,9 @@ TARGETS = {("steer_add_all_layers", False): 1.03, ("steer_add_all_layers_own_sca
 STAGES = {  # counter (frontend or worker timing) -> stage name
     "frontend.admit_s": "admission (parse, resolve)", "worker.events_s": "worker admit/finish",
     "worker.step_host_s": "routing (per step)", "worker.drain_s": "of which stored (hand-over)",
-    "worker.repeated_s": "of which repeated steps", "worker.write_s": "worker write",
-    "worker.fetch_s": "worker fetch (incl. write)",
+    "worker.repeated_s": "of which repeated steps",
+    "worker.wait_staging_s": "of which waiting for the device", "worker.write_s": "worker write",
+    "worker.fetch_s": "worker fetch (incl. write)", "worker.wait_copies_s": "of which waiting for copies",
     "frontend.fetch_rpc_s": "fetch RPC (incl. worker write)",
     "frontend.rpc_to_worker_s": "of which to the worker", "frontend.rpc_back_s": "of which back",
     "frontend.read_s": "frontend read",

@@ -20,6 +20,7 @@ one routing are gathered per run (`runs.DecodeRun`), not handed over step by ste
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections import deque
 from typing import Callable
@@ -52,6 +53,7 @@ class Collector:
         self._run: DecodeRun | None = None  # the open run, last in _pending
         self.bytes_copied = 0
         self.pinned_kept = 0
+        self.wait_s = 0.0                   # waiting for copies the device had not finished
 
     def after_repeat(self, template: StepRouting, step: int) -> None:
         """After the forward of the `step`-th repetition of `template` (`worker.repeat`)."""
@@ -116,15 +118,22 @@ class Collector:
         while self._pending:
             head = self._pending[0]
             if isinstance(head, DecodeRun):
-                if not wait and not head.ready():
-                    return
+                if not head.ready():
+                    if not wait:
+                        return
+                    t = time.perf_counter()
+                    head.wait()
+                    self.wait_s += time.perf_counter() - t
                 self._pending.popleft()
                 head.hand_over(self.deliver, self._keep)
                 continue
             event, hosts, segments, extras = head
-            if not wait and not event.query():
-                return
-            event.synchronize()
+            if not event.query():
+                if not wait:
+                    return
+                t = time.perf_counter()
+                event.synchronize()
+                self.wait_s += time.perf_counter() - t
             self._pending.popleft()
             self._hand_over(hosts, segments, extras)
 

@@ -98,6 +98,11 @@ class DecodeRun:
     def ready(self) -> bool:
         return self.closed and (self._event is None or self._event.query())
 
+    def wait(self) -> None:
+        """Until the run's copies are done."""
+        if self._event is not None:
+            self._event.synchronize()
+
     def hand_over(self, deliver: Callable[..., None], keep: Callable[[torch.Tensor, int], bool] | None = None) -> None:
         """Each segment's rows of every step, [points, steps, width] point-major as the store
         keeps a chunk: a view of the run's buffer where `keep(view, bytes)` (the pinned budget)

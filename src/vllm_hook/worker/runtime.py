@@ -129,6 +129,7 @@ class _Staging:
         # written here and copied over the rest on the device (`broadcast_rows`). On
         # the CPU the arrays are the buffers themselves: written whole.
         self.broadcast_from = BROADCAST_FROM if self.on_device else None
+        self.wait_s = 0.0          # waiting for a set's last copy (a device behind the host)
         if self.on_device:
             self._sets = [(torch.zeros_like(bufs.op_idx, device="cpu").pin_memory(),
                            torch.zeros_like(bufs.cap_idx, device="cpu").pin_memory(), None)
@@ -144,8 +145,10 @@ class _Staging:
         if not self.on_device:
             return self.bufs.op_idx.numpy(), self.bufs.cap_idx.numpy()
         op, cap, event = self._sets[self._turn]
-        if event is not None:
+        if event is not None and not event.query():
+            t = time.perf_counter()
             event.synchronize()
+            self.wait_s += time.perf_counter() - t
         return op.numpy(), cap.numpy()
 
     def clear_captures(self, cap: np.ndarray, trash: np.ndarray, whole: bool = False) -> None:
@@ -862,7 +865,9 @@ class HookRuntime:
             "hooked": len(self.hooked),
             "persistent_hooks": len(self.hooks.persistent) if self.hooks else 0,
             "persistent_hook_results": len(self.hooks.persistent_results) if self.hooks else 0,
-            "timing": {**self.timing, **(self.hooks.timing if self.hooks else {})},
+            "timing": {**self.timing, **(self.hooks.timing if self.hooks else {}),
+                       # the host waiting for the device's copies: routing arrays, captured rows
+                       "wait_staging_s": self.staging.wait_s, "wait_copies_s": self.collector.wait_s},
             "torch_threads": torch.get_num_threads(),     # host ops' parallelism on this worker
             **(self.collector.arena.stats() if self.collector.arena is not None else {}),
         }
