@@ -301,3 +301,25 @@ def test_an_empty_block_of_ops_queues_nothing():
     rt = _runtime()
     assert rt.tables.acquire_ops(np.zeros((0, 4 + CFG.max_ops_per_layer))) == []
     rt.tables.flush()
+
+
+@pytest.mark.parametrize("blob", [b"\xc1", b"\x93\x01\x02\x03", b"\x81\xa1c\xa3abc"])
+def test_a_kept_shapes_malformed_blob_fails_that_request_only(blob):
+    """A wire naming a kept shape whose blob is not one the frontend makes (not msgpack, not a
+    map, a map without the columns) is read the full way, which fails that request alone."""
+    rt = _runtime()
+    [ok] = _admitted(rt, [SHAPES[0]], "a")
+    wire = {**_full(_scaled(SHAPES[0], 0.5)).wire, "steer": blob, "sd": "other"}
+    rt.on_events(SchedulerEvents(new=(NewRequest("bad", wire, 10),)))
+    assert rt.requests["bad"].errors and not ok.errors
+    assert "bad" not in rt.active and ok.req_id in rt.active
+
+
+def test_equal_numbers_are_one_steering_whatever_their_spelling():
+    """0 and 0.0, 1 and 1.0: the coefficients travel as float64 bytes, so specs equal in value
+    share one steering digest (and the workers' rows), by the full way or the template's."""
+    ints = {"steer": [{"op": "add", "layer": 1, "vector": "v", "scale": 1}]}
+    floats = {"steer": [{"op": "add", "layer": 1, "vector": "v", "scale": 1.0}]}
+    a, b = _full(ints), _full(floats)
+    assert a.steer_digest == b.steer_digest and a.wire["steer"] == b.wire["steer"]
+    assert rescaled(_template(floats), split(ints)[1], 10).steer_digest == a.steer_digest
