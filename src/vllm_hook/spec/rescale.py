@@ -50,10 +50,15 @@ def split(raw: Any) -> tuple[dict, list[tuple]] | None:
         if type(op) is not dict:
             return None
         s, lo, hi = get(op, "scale"), get(op, "min"), get(op, "max")
-        for v in (s, lo, hi):
-            if v is not None and type(v) is not float and type(v) is not int:
+        # (checked one by one, not in a loop over the three: a fifth of the split's time)
+        if s is None:
+            if "scale" in op:                # never valid: the full way says so
                 return None
-        if s is None and "scale" in op:      # never valid: the full way says so
+        elif type(s) is not float and type(s) is not int:
+            return None
+        if lo is not None and type(lo) is not float and type(lo) is not int:
+            return None
+        if hi is not None and type(hi) is not float and type(hi) is not int:
             return None
         ops.append((tuple(op), get(op, "op"), get(op, "layer"), get(op, "vector"), get(op, "tokens"),
                     get(op, "norm_match")))
