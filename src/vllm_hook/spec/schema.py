@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import numbers
+from functools import cached_property
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, field_validator
@@ -143,10 +144,11 @@ class HookSpec(_Model):
     def is_empty(self) -> bool:
         return not self.capture and not self.steer and not self.hooks
 
-    @property
+    @cached_property
     def positional(self) -> bool:
         """Whether it names token positions (a negative one counts from the prompt's end): only
-        then does its resolution depend on the prompt's length beyond the wire's "P"."""
+        then does its resolution depend on the prompt's length beyond the wire's "P". Computed
+        once: a cached spec is asked at every request (a walk over 28 ops, 2 to 3 µs)."""
         return any(isinstance(c.tokens, list) for c in self.capture) or any(
             isinstance(op.tokens, list) for op in self.steer)
 
