@@ -117,25 +117,21 @@ class Collector:
             self.close_run()
         while self._pending:
             head = self._pending[0]
-            if isinstance(head, DecodeRun):
-                if not head.ready():
-                    if not wait:
-                        return
-                    t = time.perf_counter()
-                    head.wait()
-                    self.wait_s += time.perf_counter() - t
-                self._pending.popleft()
-                head.hand_over(self.deliver, self._keep)
-                continue
-            event, hosts, segments, extras = head
-            if not event.query():
+            run = isinstance(head, DecodeRun)
+            if not (head.ready() if run else head[0].query()):
                 if not wait:
                     return
                 t = time.perf_counter()
-                event.synchronize()
+                if run:
+                    head.wait()
+                else:
+                    head[0].synchronize()
                 self.wait_s += time.perf_counter() - t
             self._pending.popleft()
-            self._hand_over(hosts, segments, extras)
+            if run:
+                head.hand_over(self.deliver, self._keep)
+            else:
+                self._hand_over(*head[1:])
 
     def _hand_over(self, hosts, segments: list[Segment], extras) -> None:
         parts = self._keep_or_copy(hosts, segments) if self.on_device else _slices(hosts, segments)
