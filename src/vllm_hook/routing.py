@@ -34,7 +34,7 @@ class CaptureRoute:
 @dataclass(frozen=True)
 class RequestRoutes:
     prompt_len: int
-    steer: tuple[SteerRoute, ...] = ()
+    steer: tuple[SteerRoute, ...] = ()       # (or plain tuples in its field order: a worker's)
     capture: tuple[CaptureRoute, ...] = ()
     # `steer_groups` and `capture_groups` made once for every request steering (capturing)
     # alike: `group_steering(steer)`, `group_captures(capture)`

@@ -405,11 +405,11 @@ def shape_bytes(cols: dict[str, list]) -> bytes:
     return _PACK.encode([cols["layer"], cols["sel"], cols["pos"], cols["digest"]])
 
 
-def digest_of(shape: bytes, c) -> str:
+def digest_of(shape: bytes, c: bytes) -> str:
     """The digest of a spec's steering: its `shape_bytes` and coefficients (`coef_bytes`);
     equal layers, tokens, coefficients and vectors (by digest, whatever their names), equal
     digest."""
-    return hashlib.sha256(shape + coef_bytes(c)).hexdigest()[:24]
+    return hashlib.sha256(shape + c).hexdigest()[:24]
 
 
 def _check_coefficients(coef: list[float], bound: float, where: str, model: ModelInfo) -> None:
