@@ -211,24 +211,20 @@ def route_step(
     one_rows: list[int] = []                  # decode rows' steering: row, columns, values
     one_cols: list[np.ndarray] = []
     one_vals: list[np.ndarray] = []
-    cap_rows: list[int] = []                  # one-row captures: row, points, pool rows
-    cap_cols: list[np.ndarray] = []
-    cap_vals: list[np.ndarray] = []
+    # One-row captures (decode rows, prompt chunks' last tokens): (owner, group, row,
+    # position, first pool row), written and made segments together after the loop: per
+    # request, numpy calls were most of a last-token capture's routing.
+    one_caps: list[tuple] = []
 
     def one_row(owner, group, row: int, p: int) -> None:
-        """Capture one row (a decode row, a prompt chunk's last token) of a capture group:
-        its destinations join the batched write below."""
-        _, pool, last_only, points, point_ids = group
+        """Capture one row of a capture group: its destinations join the batched write below."""
+        pool, point_ids = group[1], group[4]
         used = out.pool_used.get(pool, 0)
         if used + len(point_ids) > pool_rows:
             if owner not in out.overflow:
                 out.overflow.append(owner)
             return
-        cap_rows.append(row)
-        cap_cols.append(points)
-        cap_vals.append(_offsets(len(point_ids)) + used)
-        out.segments.append(Segment(owner, point_ids, used, np.array([p], dtype=np.int64),
-                                    last_only, pool, np.array([row], dtype=np.int64)))
+        one_caps.append((owner, group, row, p, used))
         out.pool_used[pool] = used + len(point_ids)
 
     for owner, routes, rows in entries:
@@ -272,11 +268,12 @@ def route_step(
                 sel_rows = start + np.flatnonzero(m)
                 op_idx[sel_rows[:, None], cols[None, :]] = values[None, :]
                 out.steered_upto = max(out.steered_upto, int(sel_rows[-1]) + 1)
-        for sels, pool, last_only, points, point_ids in routes.capture_groups:
+        for group in routes.capture_groups:
+            sels, pool, last_only, points, point_ids = group
             span = _span(sels[0][0], P, first, count) if len(sels) == 1 else None
             if span is not None and span[1] - span[0] == 1:
                 # one row of the chunk (the last prompt token): batched with the decode rows
-                one_row(owner, (sels, pool, last_only, points, point_ids), start + span[0], first + span[0])
+                one_row(owner, group, start + span[0], first + span[0])
                 continue
             if span is not None:
                 a, b = span
@@ -305,11 +302,8 @@ def route_step(
             out.segments.append(Segment(owner, point_ids, used, first + idx, last_only, pool,
                                         sel_rows))
             out.pool_used[pool] = used + total
-    if cap_rows:
-        counts = [len(c) for c in cap_cols]
-        at = (np.repeat(np.array(cap_rows, dtype=np.int64), counts), np.concatenate(cap_cols))
-        cap_idx[at] = np.concatenate(cap_vals)
-        out.cap_written.append(at)
+    if one_caps:
+        _write_one_rows(one_caps, cap_idx, out)
     if spans:
         _write_whole(op_idx, spans, broadcast_from, out.broadcast)
     if one_rows:
@@ -318,6 +312,30 @@ def route_step(
             np.concatenate(one_vals)
         out.steered_upto = max(out.steered_upto, max(one_rows) + 1)
     return out
+
+
+def _write_one_rows(one_caps: list[tuple], cap_idx: np.ndarray, out: StepRouting) -> None:
+    """`route_step`'s one-row captures: their pool destinations in one indexed write, their
+    segments' positions and rows views of one array each."""
+    rows = np.fromiter((c[2] for c in one_caps), dtype=np.int64, count=len(one_caps))
+    pos = np.fromiter((c[3] for c in one_caps), dtype=np.int64, count=len(one_caps))
+    used = np.fromiter((c[4] for c in one_caps), dtype=np.int64, count=len(one_caps))
+    groups = [c[1] for c in one_caps]
+    first = groups[0]
+    if all(g is first for g in groups):       # one group for all (the common case)
+        n = len(first[4])
+        at = (np.repeat(rows, n), np.tile(first[3], len(one_caps)))
+        vals = (used[:, None] + _offsets(n)[None, :]).ravel()
+    else:
+        counts = np.fromiter((len(g[4]) for g in groups), dtype=np.int64, count=len(groups))
+        starts = np.cumsum(counts) - counts
+        at = (np.repeat(rows, counts), np.concatenate([g[3] for g in groups]))
+        vals = np.repeat(used - starts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    cap_idx[at] = vals
+    out.cap_written.append(at)
+    segs = out.segments
+    for k, (owner, group, _, _, u) in enumerate(one_caps):
+        segs.append(Segment(owner, group[4], u, pos[k:k + 1], group[2], group[1], rows[k:k + 1]))
 
 
 def _write_whole(op_idx: np.ndarray, spans: list, at_least: int, broadcast: list) -> None:

@@ -161,8 +161,9 @@ def test_routing_matches_a_row_by_row_reference_on_random_batches():
         assert np.array_equal(op, ref_op), trial
         assert np.array_equal(cap, ref_cap), trial
         assert {k: v for k, v in got.pool_used.items() if v} == {k: v for k, v in ref_used.items() if v}
-        assert [(s.owner, s.points, s.pool_start, s.positions.tolist()) for s in got.segments] == \
-            [(o, ids, u, picked) for o, ids, u, picked in ref_segs], trial
+        # (one-row segments are listed after the others: their order carries no meaning)
+        assert sorted((s.owner, s.points, s.pool_start, s.positions.tolist()) for s in got.segments) == \
+            sorted((o, ids, u, picked) for o, ids, u, picked in ref_segs), trial
         assert got.overflow == list(dict.fromkeys(ref_over)), trial
         for rows, cs in got.cap_written:     # the entries it reports are all it wrote
             cap[rows, cs] = 999
