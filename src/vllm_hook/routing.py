@@ -57,26 +57,46 @@ class RequestRoutes:
     def steady_from(self) -> int:
         """From this position on, every route selects the same (each position or none): a
         decode step of this request routes like the one before it (`worker.repeat`)."""
-        start = self.prompt_len
-        for sel, pos in self._selectors():
-            if sel == "pos" and pos:
-                start = max(start, max(pos) + 1)
-        return start
+        return max(self.prompt_len, self._reach[2] + 1)
 
-    def _selectors(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Every distinct steering selector (one per group: an all-layer spec has one) and
-        every capture selector."""
-        return [(g[0], g[1]) for g in self.steer_groups] + [s for c in self.capture for s in c.sels]
+    @property
+    def _reach(self) -> tuple[bool, bool, int]:
+        """`_reach` of every steering and capture selector, from their groups (kept there:
+        requests steering or capturing alike share them, and so this)."""
+        so, sp, sm = _reach(self.steer_groups, True)
+        co, cp, cm = _reach(self.capture_groups, False)
+        return so or co, sp or cp, max(sm, cm)
 
     @property
     def horizon(self) -> float:
         """The largest position any route may still select (inf when open-ended)."""
-        h = -1.0
-        for sel, pos in self._selectors():
+        opened, prompt, top = self._reach
+        if opened:
+            return float("inf")
+        return float(max(top, self.prompt_len - 1 if prompt else -1))
+
+
+def _reach(groups: tuple, steering: bool) -> tuple[bool, bool, int]:
+    """What `groups`' selectors may select, whatever the prompt's length: (open-ended: some
+    select generated tokens; some select prompt tokens by the prompt's length; the largest
+    position named, -1 if none). Kept on a `SteerGroups` or `CaptureGroups`."""
+    got = getattr(groups, "__dict__", {}).get("_reach")
+    if got is not None:
+        return got
+    opened = prompt = False
+    top = -1
+    for g in groups:
+        for sel, pos in ((g[0], g[1]),) if steering else g[0]:
             if sel in ("all", "generated", "last"):
-                return float("inf")
-            h = max(h, self.prompt_len - 1 if sel in ("prompt", "last_prompt") else max(pos))
-        return h
+                opened = True
+            elif sel in ("prompt", "last_prompt"):
+                prompt = True
+            elif pos:
+                top = max(top, max(pos))
+    got = (opened, prompt, top)
+    if hasattr(groups, "__dict__"):
+        groups.__dict__["_reach"] = got
+    return got
 
 
 class SteerGroups(tuple):
@@ -96,6 +116,10 @@ class SteerGroups(tuple):
 
 
 NO_STEERING = SteerGroups()      # a request that steers nothing (a capture): nothing to group
+
+
+class CaptureGroups(tuple):
+    """`group_captures`'s groups (a tuple that keeps what `_reach` found)."""
 
 
 def group_steering(steer: Sequence[SteerRoute]) -> SteerGroups:
@@ -128,8 +152,8 @@ def group_captures(capture: Sequence[CaptureRoute]) -> tuple[tuple[tuple, int, b
     groups: dict[tuple, list[int]] = {}
     for c in capture:
         groups.setdefault((c.sels, c.pool, c.last_only), []).append(c.point)
-    return tuple((sels, pool, last, np.array(pts, dtype=np.int64), tuple(pts))
-                 for (sels, pool, last), pts in groups.items())
+    return CaptureGroups((sels, pool, last, np.array(pts, dtype=np.int64), tuple(pts))
+                         for (sels, pool, last), pts in groups.items())
 
 
 class Rows(NamedTuple):          # built per hooked request and step: a tuple is cheapest

@@ -7,7 +7,7 @@ import torch
 
 from vllm_hook.model.layout import PointTable
 from vllm_hook.adapters.base import StepView
-from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, route_step
+from vllm_hook.routing import CaptureRoute, RequestRoutes, Rows, SteerRoute, group_captures, route_step
 from vllm_hook.worker.runtime import broadcast_rows
 from vllm_hook.worker.repeat import StepRepeat
 
@@ -73,6 +73,14 @@ def test_horizon():
     assert RequestRoutes(5, capture=(CaptureRoute(0, (("last_prompt", ()),)),)).horizon == 4
     assert RequestRoutes(5, steer=(SteerRoute(0, 1, "pos", (7,)),)).horizon == 7
     assert RequestRoutes(5, steer=(SteerRoute(0, 1, "generated"),)).horizon == float("inf")
+    # steering and capture selectors together; groups shared by requests of other lengths
+    cap = (CaptureRoute(0, (("pos", (2, 9)),)), CaptureRoute(1, (("prompt", ()),)))
+    for P, want in ((5, 9), (20, 19)):
+        r = RequestRoutes(P, steer=(SteerRoute(0, 1, "pos", (3,)),), capture=cap,
+                          shared_cap_groups=group_captures(cap))
+        assert r.horizon == want and r.steady_from == max(P, 10)
+    assert RequestRoutes(5, steer=(SteerRoute(0, 1, "pos", (3,)),),
+                         capture=(CaptureRoute(0, (("last", ()),)),)).horizon == float("inf")
 
 
 def test_point_table_resid_pre_aliases_previous_resid_post():

@@ -353,10 +353,11 @@ class HookRuntime:
                     self._captures.clear()
                 self._captures[cd] = known
         capture, cap_groups, attn_jobs = known
-        req.attn_jobs = {q: list(jobs) for q, jobs in attn_jobs.items()}
+        if attn_jobs:
+            req.attn_jobs = {q: list(jobs) for q, jobs in attn_jobs.items()}
+            self._attn_reqs += 1
         share = self.shared_steering.get(req.steer_share) if req.steer_share else None
         req.routes = RequestRoutes(P, steer, capture, share.groups if share else None, cap_groups)
-        self._attn_reqs += bool(req.attn_jobs)
         req.horizon = req.routes.horizon
         if self.hooks is not None and (wire.get("hooks") or self.hooks.persistent):
             self._add_hooks(req, wire.get("hooks", ()))
