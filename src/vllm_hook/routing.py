@@ -300,15 +300,30 @@ def route_step(
                 one_row(owner, group, start + span[0], first + span[0])
                 continue
             if span is not None:
+                # a contiguous range of the chunk (a prompt's tokens): slices, and the
+                # block's offsets made once per size
                 a, b = span
-                idx = np.arange(a, b, dtype=np.int64)
-            else:
-                if positions is None:
-                    positions = first + np.arange(count, dtype=np.int64)
-                m = np.zeros(count, dtype=bool)
-                for sel, pos in sels:
-                    m |= selected_mask(sel, pos, positions, P)
-                idx = np.flatnonzero(m)
+                n = b - a
+                if n <= 0:
+                    continue
+                used = out.pool_used.get(pool, 0)
+                if used + n * len(points) > pool_rows:
+                    if owner not in out.overflow:
+                        out.overflow.append(owner)
+                    continue
+                r0 = start + a
+                cap_idx[r0:r0 + n, points] = used + _block(n, len(points))
+                out.cap_written.append((slice(r0, r0 + n), points))
+                out.segments.append(Segment(owner, point_ids, used, np.arange(first + a, first + b, dtype=np.int64),
+                                            last_only, pool, np.arange(r0, r0 + n, dtype=np.int64)))
+                out.pool_used[pool] = used + n * len(points)
+                continue
+            if positions is None:
+                positions = first + np.arange(count, dtype=np.int64)
+            m = np.zeros(count, dtype=bool)
+            for sel, pos in sels:
+                m |= selected_mask(sel, pos, positions, P)
+            idx = np.flatnonzero(m)
             n = len(idx)
             if not n:
                 continue
@@ -320,8 +335,7 @@ def route_step(
                 continue
             sel_rows = start + idx
             # point g's row i lands at used + g*n + i (point-major, see Segment)
-            block = np.arange(len(points), dtype=np.int64)[None, :] * n + _offsets(n)[:, None]
-            cap_idx[sel_rows[:, None], points[None, :]] = used + block
+            cap_idx[sel_rows[:, None], points[None, :]] = used + _block(n, len(points))
             out.cap_written.append((sel_rows[:, None], points[None, :]))
             out.segments.append(Segment(owner, point_ids, used, first + idx, last_only, pool,
                                         sel_rows))
@@ -424,6 +438,21 @@ def _span(sel: str, P: int, first: int, count: int) -> tuple[int, int] | None:
 
 
 _ARANGE = np.arange(4096, dtype=np.int64)
+
+
+def _block(n: int, g: int) -> np.ndarray:
+    """[n, g] pool offsets of n rows of g points, point-major (point j's row i at j * n + i)."""
+    got = _BLOCKS.get((n, g))
+    if got is None:
+        got = np.arange(g, dtype=np.int64)[None, :] * n + _offsets(n)[:, None]
+        if n * g <= 1 << 16:
+            if len(_BLOCKS) >= 256:
+                _BLOCKS.clear()
+            _BLOCKS[(n, g)] = got
+    return got
+
+
+_BLOCKS: dict[tuple[int, int], np.ndarray] = {}
 
 
 def _offsets(n: int) -> np.ndarray:

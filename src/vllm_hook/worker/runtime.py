@@ -157,8 +157,8 @@ class _Staging:
         if written is None or whole:
             cap[:] = trash[:cap.shape[0], None]
         else:
-            for rows, cols in written:
-                cap[rows, cols] = trash[rows]
+            for rows, cols in written:      # rows: an index array, or a slice (a prompt's range)
+                cap[rows, cols] = trash[rows, None] if isinstance(rows, slice) else trash[rows]
         self._written[self._turn] = []
 
     def wrote(self, entries: list) -> None:
