@@ -61,10 +61,10 @@ class RequestRoutes:
 
     @property
     def _reach(self) -> tuple[bool, bool, int]:
-        """`_reach` of every steering and capture selector, from their groups (kept there:
+        """`reach` of every steering and capture selector, from their groups (kept there:
         requests steering or capturing alike share them, and so this)."""
-        so, sp, sm = _reach(self.steer_groups, True)
-        co, cp, cm = _reach(self.capture_groups, False)
+        so, sp, sm = reach(self.steer_groups, True)
+        co, cp, cm = reach(self.capture_groups, False)
         return so or co, sp or cp, max(sm, cm)
 
     @property
@@ -76,7 +76,7 @@ class RequestRoutes:
         return float(max(top, self.prompt_len - 1 if prompt else -1))
 
 
-def _reach(groups: tuple, steering: bool) -> tuple[bool, bool, int]:
+def reach(groups: tuple, steering: bool) -> tuple[bool, bool, int]:
     """What `groups`' selectors may select, whatever the prompt's length: (open-ended: some
     select generated tokens; some select prompt tokens by the prompt's length; the largest
     position named, -1 if none). Kept on a `SteerGroups` or `CaptureGroups`."""
@@ -114,12 +114,17 @@ class SteerGroups(tuple):
             rows[width] = row
         return rows[width]
 
+    def knowing(self, got: tuple[bool, bool, int]) -> "SteerGroups":
+        """These groups, told what their selectors may select (`reach`, known from their shape)."""
+        self.__dict__["_reach"] = got
+        return self
+
 
 NO_STEERING = SteerGroups()      # a request that steers nothing (a capture): nothing to group
 
 
 class CaptureGroups(tuple):
-    """`group_captures`'s groups (a tuple that keeps what `_reach` found)."""
+    """`group_captures`'s groups (a tuple that keeps what `reach` found)."""
 
 
 def group_steering(steer: Sequence[SteerRoute]) -> SteerGroups:

@@ -475,7 +475,8 @@ class HookRuntime:
         # Plain tuples in SteerRoute's field order, made by zip in C (a SteerRoute each costs
         # 2.5 µs more a spec): steering is written from the groups, the routes are read by position
         routes = tuple(zip(shape.cols, entries.tolist(), shape.sels, shape.poss))
-        groups = SteerGroups([(sel, pos, cols, entries[idx], sl) for sel, pos, cols, idx, sl in shape.groups])
+        groups = SteerGroups([(sel, pos, cols, entries[idx], sl) for sel, pos, cols, idx, sl in shape.groups
+                              ]).knowing(shape.reach)
         return routes, groups
 
     def _vector(self, ops: dict[str, list], i: int) -> np.ndarray:

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from ..model.buffers import BufferShape, op_col
-from ..routing import op_slots, steer_group_index
+from ..routing import op_slots, reach, steer_group_index
 
 MAX_SHAPES = 256              # kept at once
 
@@ -39,6 +39,10 @@ class SteerShape:
     earlier: list[tuple[int, list]]      # per op: (k, j) pairs, the op j each lower slot k holds
     groups: list[tuple]                  # `routing.steer_group_index`
     prods: np.ndarray | None = None      # (n, K - 1) products of unit vectors, made at first use
+
+    def __post_init__(self):
+        # what its selectors may select (`routing.reach`): each request's groups get it
+        self.reach = reach(self.groups, True)
 
     def products(self, K: int, unit: Callable[[int], np.ndarray], rows: list[int]) -> np.ndarray:
         """The G columns of the parameter rows (`model.steering`): unit vectors' products
