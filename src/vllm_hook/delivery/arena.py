@@ -190,8 +190,11 @@ class Arena:
         return t.device.type == "cpu" and self._block_of(t) is not None
 
     def _block_of(self, t: torch.Tensor) -> int | None:
-        span = _span(t)
-        start = t.data_ptr() - self._ptr
+        return self._block_at(t.data_ptr(), _span(t))
+
+    def _block_at(self, ptr: int, span: int | None) -> int | None:
+        """The block holding the bytes [ptr, ptr + span), if one does."""
+        start = ptr - self._ptr
         if span is None or start < HEADER or start >= self.size:
             return None
         offs = sorted(self._blocks)     # few blocks (one per large step and pool, one per run)
@@ -214,24 +217,26 @@ class Arena:
         parts = t.parts if isinstance(t, Chunked) else [t]
         if not self._slots or any(p.device.type != "cpu" for p in parts):
             return None
-        blocks = [self._block_of(p) for p in parts]
-        inside = [p for p, b in zip(parts, blocks) if b is not None]
+        ptrs = [p.data_ptr() for p in parts]
+        spans = [_span(p) for p in parts]        # (each asked once: a third of a lend's time)
+        blocks = [self._block_at(q, n) for q, n in zip(ptrs, spans)]
+        inside = [k for k, b in enumerate(blocks) if b is not None]
         if not inside:
             return None
-        start = min(p.data_ptr() for p in inside)
-        end = max(p.data_ptr() + _span(p) for p in inside)
+        start = min(ptrs[k] for k in inside)
+        end = max(ptrs[k] + spans[k] for k in inside)
         slot = self._slots.pop()
         self.flags[slot] = HELD
-        self._lent[slot] = [b for b in blocks if b is not None]
+        self._lent[slot] = [blocks[k] for k in inside]
         for b in self._lent[slot]:
             self._blocks[b][2] += 1
         self.pieces_lent += 1
-        self.bytes_lent += sum(_span(p) for p in inside)
+        self.bytes_lent += sum(spans[k] for k in inside)
         ref = {"token": self.token.hex(), "offset": start - self._ptr, "nbytes": end - start,
                "dtype": str(t.dtype).removeprefix("torch."), "slot": slot}
         if isinstance(t, Chunked):
-            ref["parts"] = [None if b is None else [p.data_ptr() - start, list(p.shape), list(p.stride())]
-                            for p, b in zip(parts, blocks)]
+            ref["parts"] = [None if b is None else [q - start, list(p.shape), list(p.stride())]
+                            for p, q, b in zip(parts, ptrs, blocks)]
             return ref
         ref["shape"] = list(t.shape)
         if not t.is_contiguous():
