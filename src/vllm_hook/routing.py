@@ -305,32 +305,18 @@ def route_step(
                 one_row(owner, group, start + span[0], first + span[0])
                 continue
             if span is not None:
-                # a contiguous range of the chunk (a prompt's tokens): slices, and the
-                # block's offsets made once per size
+                # a contiguous range of the chunk (a prompt's tokens): written through a slice
                 a, b = span
                 n = b - a
-                if n <= 0:
-                    continue
-                used = out.pool_used.get(pool, 0)
-                if used + n * len(points) > pool_rows:
-                    if owner not in out.overflow:
-                        out.overflow.append(owner)
-                    continue
-                r0 = start + a
-                cap_idx[r0:r0 + n, points] = used + _block(n, len(points))
-                out.cap_written.append((slice(r0, r0 + n), points))
-                out.segments.append(Segment(owner, point_ids, used, np.arange(first + a, first + b, dtype=np.int64),
-                                            last_only, pool, np.arange(r0, r0 + n, dtype=np.int64)))
-                out.pool_used[pool] = used + n * len(points)
-                continue
-            if positions is None:
-                positions = first + np.arange(count, dtype=np.int64)
-            m = np.zeros(count, dtype=bool)
-            for sel, pos in sels:
-                m |= selected_mask(sel, pos, positions, P)
-            idx = np.flatnonzero(m)
-            n = len(idx)
-            if not n:
+            else:
+                if positions is None:
+                    positions = first + np.arange(count, dtype=np.int64)
+                m = np.zeros(count, dtype=bool)
+                for sel, pos in sels:
+                    m |= selected_mask(sel, pos, positions, P)
+                idx = np.flatnonzero(m)
+                n = len(idx)
+            if n <= 0:
                 continue
             used = out.pool_used.get(pool, 0)
             total = n * len(points)
@@ -338,12 +324,17 @@ def route_step(
                 if owner not in out.overflow:
                     out.overflow.append(owner)
                 continue
-            sel_rows = start + idx
             # point g's row i lands at used + g*n + i (point-major, see Segment)
-            cap_idx[sel_rows[:, None], points[None, :]] = used + _block(n, len(points))
-            out.cap_written.append((sel_rows[:, None], points[None, :]))
-            out.segments.append(Segment(owner, point_ids, used, first + idx, last_only, pool,
-                                        sel_rows))
+            if span is not None:
+                sel_rows = np.arange(start + a, start + b, dtype=np.int64)
+                picked = np.arange(first + a, first + b, dtype=np.int64)
+                at = (slice(start + a, start + b), points)
+            else:
+                sel_rows, picked = start + idx, first + idx
+                at = (sel_rows[:, None], points[None, :])
+            cap_idx[at] = used + _block(n, len(points))
+            out.cap_written.append(at)
+            out.segments.append(Segment(owner, point_ids, used, picked, last_only, pool, sel_rows))
             out.pool_used[pool] = used + total
     if one_caps:
         _write_one_rows(one_caps, cap_idx, out)
