@@ -59,10 +59,10 @@ def main() -> None:
                   kv_cache_memory_bytes=256 << 20, enforce_eager=True, seed=0, additional_config=hook_cfg)
     else:
         model, cases, plen = args.model, CASES, 128
-    if args.cases:
-        cases = tuple((w, int(n), int(g)) for w, n, g in (c.split(":") for c in args.cases))
         llm = LLM(model, dtype="bfloat16", max_model_len=4096, max_num_seqs=256, skip_tokenizer_init=True,
                   gpu_memory_utilization=0.35, seed=0, disable_log_stats=False, additional_config=hook_cfg)
+    if args.cases:
+        cases = tuple((w, int(n), int(g)) for w, n, g in (c.split(":") for c in args.cases))
     cfg = json.loads((Path(model) / "config.json").read_text())
     g = torch.Generator().manual_seed(0)
     vllm_hook.register_vectors(llm, {n: torch.randn(cfg["hidden_size"], generator=g) for n in ("bench_a", "bench_b")})

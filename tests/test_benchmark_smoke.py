@@ -105,6 +105,19 @@ def test_host_cost_microbenchmark_smoke(tmp_path):
     assert r["steer_add_all_layers_own_scale"]["fetched_pct"] == 0
 
 
+def test_host_profile_smoke(tmp_path, engines):
+    """benchmarks/profile_host.py (issue 17) on the tiny model, its cases named (`--cases`): one
+    profile per case, the plugin's counters beside it."""
+    engines.close()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_host.py"), "--smoke", "--out",
+                           str(tmp_path / "prof"), "--cases", "steer_add_all_layers:4:2"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = (tmp_path / "prof" / "prof.txt").read_text()
+    assert text.count("=====") == 1 and "steer_add_all_layers, 4 requests, 32 + 2 tokens" in text
+    assert "plugin counters per profiled batch" in text
+
+
 def test_parallel_benchmark_smoke(tmp_path, engines):
     """benchmarks/parallel.py (issue 21) with TP=2 and PP=2 on the tiny model: its check against
     TP=1 passes (fp32 here: every difference is summation order), hooks included, and its speed
