@@ -12,7 +12,7 @@ coefficients and, for a vector not in the tables, the vector it carries (or name
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgspec
@@ -39,9 +39,10 @@ class SteerShape:
     earlier: list[tuple[int, list]]      # per op: (k, j) pairs, the op j each lower slot k holds
     groups: list[tuple]                  # `routing.steer_group_index`
     prods: np.ndarray | None = None      # (n, K - 1) products of unit vectors, made at first use
+    reach: tuple = field(init=False)     # what its selectors may select (`routing.reach`),
+                                         # told to each request's groups
 
     def __post_init__(self):
-        # what its selectors may select (`routing.reach`): each request's groups get it
         self.reach = reach(self.groups, True)
 
     def products(self, K: int, unit: Callable[[int], np.ndarray], rows: list[int]) -> np.ndarray:
