@@ -116,7 +116,15 @@ def main() -> None:
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         steps.clear()
         t, g = time.perf_counter(), gc_s[0]
-        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
+        if cmd.get("late_fetch") and hook:
+            # the fetch sent after the call returns, as before `frontend.delivery.send_early`
+            from vllm_hook.adapters import frontend as adapter
+            sender, adapter._sender = adapter._sender, lambda engine_core: None
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps, use_tqdm=False)
+        finally:
+            if cmd.get("late_fetch") and hook:
+                adapter._sender = sender
         nbytes = 0
         if hook:
             for o in outs:

@@ -205,7 +205,7 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
     st.timing["read_s"] = st.timing["build_s"] = 0.0
     with no_gc():                          # as the frontend's delivery does
         t, opened = time.perf_counter(), Opened()
-        _attach_all(st, todo, fetched, None, opened)
+        _attach_all(st, todo, fetched, {}, opened)
         t_attach = (time.perf_counter() - t) / n
         t_read, t_build = st.timing["read_s"] / n, st.timing["build_s"] / n
         bad = [o.request_id for o in outputs if getattr(o, ATTR).errors]

@@ -43,11 +43,13 @@ STAGES = {  # counter (frontend or worker timing) -> stage name
 
 ONE_PARAMS = {"on": False}       # --one-params
 VARIED = {"on": False}           # --varied-lengths
+LATE = {"on": False}             # --late-fetch
 
 
-def timed(w, n, plen, gen, specs, seed):
+def timed(w, n, plen, gen, specs, seed, late=False):
     r = w.call({"op": "time", "n": n, "prompt_len": plen, "max_tokens": gen, "specs": specs, "reps": 1,
-                "seed0": seed, "one_params": ONE_PARAMS["on"], "varied_lengths": VARIED["on"]}, timeout=1800)
+                "seed0": seed, "one_params": ONE_PARAMS["on"], "varied_lengths": VARIED["on"], "late_fetch": late},
+               timeout=1800)
     return r["times"][0], r["gc_s"][0]
 
 
@@ -64,24 +66,26 @@ def run_case(native, plugin, name, spec_of, n, plen, gen, reps) -> dict:
     for rep in range(reps):
         specs = [spec_of(i) for i in range(n)]      # per rep: a workload may make each spec new
         tn, _ = timed(native, n, plen, gen, None, rep) if native is not None else (None, 0.0)
-        if rep % 2:
-            tu, gu = timed(plugin, n, plen, gen, None, rep)
-            th, gh = timed(plugin, n, plen, gen, specs, rep)
-        else:
-            th, gh = timed(plugin, n, plen, gen, specs, rep)
-            tu, gu = timed(plugin, n, plen, gen, None, rep)
+        # the plugin's variants in an order turning round by round
+        arms = ["hooked", "unhooked"] + (["late"] if LATE["on"] else [])
+        arms = arms[rep % len(arms):] + arms[:rep % len(arms)]
+        got = {a: timed(plugin, n, plen, gen, None if a == "unhooked" else specs, rep, a == "late") for a in arms}
+        (th, gh), (tu, gu) = got["hooked"], got["unhooked"]
         # gc: seconds the frontend spent in Python's cyclic collector within the timing
         rows.append({"native_s": tn if tn is not None else tu, "unhooked_s": tu, "hooked_s": th,
-                     "unhooked_gc_s": gu, "hooked_gc_s": gh})
+                     "unhooked_gc_s": gu, "hooked_gc_s": gh, **({"hooked_late_s": got["late"][0]} if LATE["on"] else {})})
     after = counters(plugin)
-    hooked_requests = n * reps
+    hooked_requests = n * reps * (2 if LATE["on"] else 1)     # --late-fetch: both hooked arms' stages
     stages = {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / hooked_requests for k, label in STAGES.items()}
     res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows, "host_us_per_request": stages,
-           "fetch_rpcs_per_rep": (after.get("frontend.fetches", 0) - before.get("frontend.fetches", 0)) / reps,
+           "fetch_rpcs_per_rep": (after.get("frontend.fetches", 0) - before.get("frontend.fetches", 0))
+           / (reps * (2 if LATE["on"] else 1)),
            "page_faults_per_request": (after.get("frontend.read_build_page_faults", 0)
                                        - before.get("frontend.read_build_page_faults", 0)) / hooked_requests}
-    for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s")):
-        res[est] = median_ci([r[num] / r[den] for r in rows])
+    for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s"),
+                          ("late_in_engine", "hooked_late_s", "unhooked_s"), ("early_over_late", "hooked_s", "hooked_late_s")):
+        if num in rows[0]:
+            res[est] = median_ci([r[num] / r[den] for r in rows])
     res["tokens_per_s_native"] = n * gen / min(r["native_s"] for r in rows)
     res["gc_ms"] = [1e3 * median_ci([r[k] for r in rows])[0] for k in ("hooked_gc_s", "unhooked_gc_s")]
     print(f"  {name:32s} n={n:<4d} {plen}+{gen}: in-engine {res['in_engine'][0]:.3f} "
@@ -116,6 +120,16 @@ def report(result: dict) -> str:
         lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
                      f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {verdict(r)} | "
                      + (f"{gc_ms[0]:.1f} / {gc_ms[1]:.1f} |" if gc_ms else "– |"))
+    late = [r for r in result.get("cases", []) if "late_in_engine" in r]
+    if late:
+        lines += ["", "--late-fetch: the same hooked batches with their fetch sent after the call (as before the "
+                  "early fetch), on the same engine, its arm turning with the others; the stages below "
+                  "average both hooked arms:", "",
+                  "| workload | requests | prompt + generated | early fetch (hooked / unhooked) "
+                  "| fetch after the call | early / late |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | " + " | ".join(
+                  f"{r[k][0]:.3f} [{r[k][1]:.3f}, {r[k][2]:.3f}]" for k in ("in_engine", "late_in_engine", "early_over_late"))
+                  + " |" for r in late]
     lines += ["", "Plugin host time per hooked request by stage (µs, from its counters):", "",
               "| workload | requests | gen | " + " | ".join(STAGES.values()) + " | fetch RPCs per batch "
               "| frontend page faults in read and build, per request |",
@@ -154,8 +168,11 @@ def main() -> None:
                     help="prompts of lengths spread over [PROMPT / 2, 3 * PROMPT / 2), as a dataset's "
                     "(default: every prompt PROMPT tokens)")
     ap.add_argument("--gpu-mem", type=float, default=0.35)
+    ap.add_argument("--late-fetch", action="store_true",
+                    help="also time each hooked batch with its fetch sent after the call, not at its last step")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     args = ap.parse_args()
+    LATE["on"] = args.late_fetch
     ONE_PARAMS["on"] = args.one_params
     VARIED["on"] = args.varied_lengths
     out = Path(args.out)

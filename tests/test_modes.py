@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,15 @@ def test_demo_multiprocess_engine():
     assert "resid_post layer 3: (12, 128) float32" in out, out      # last prompt token + 11 generated
     assert "run alone without the plugin's help: True" in out, out
     assert "requests only: [False, False, True, True]" in out, out
+
+
+def test_offline_fetch_sent_at_the_last_step_multiprocess(engines):
+    """Issue 17: with the engine core in its own process (vLLM's default), an offline call's
+    fetch leaves as its last step comes back, before vLLM processes that step: the same
+    results bit for bit, in one RPC; a call failing after it hands back what it took
+    (tests/helpers/early_fetch.py)."""
+    engines.close()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.early_fetch"], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 0 and "EARLY-FETCH-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

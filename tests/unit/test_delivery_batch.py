@@ -416,7 +416,7 @@ def test_offline_fetch_pauses_the_collector_from_the_rpc_on():
 
     res = SimpleNamespace(key="k0", ticket=0)
     st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), timing={"fetch_rpc_s": 0.0, "fetches": 0},
-                         pop_pending=lambda rid: res if rid == "r0" else None)
+                         pop_pending=lambda rid: res if rid == "r0" else None, early=None)
     out = SimpleNamespace(request_id="r0", finished=True, prompt_token_ids=[1, 2],
                           outputs=[SimpleNamespace(token_ids=[3], index=0)])
     assert gc.isenabled()
@@ -424,6 +424,42 @@ def test_offline_fetch_pauses_the_collector_from_the_rpc_on():
     assert seen == [("fetch", False), ("discard", False)] and gc.isenabled()
     got = getattr(out, ATTR)
     assert got.token_ids == [1, 2, 3] and "could not be fetched" in got.errors[0]
+
+
+def test_attach_takes_an_early_fetchs_keys_from_its_reply():
+    """An offline call's fetch sent at its last step (`send_early`): `attach` waits for its
+    reply for the keys it took and fetches only the others; a failure of either fails only
+    its own requests (each output keeps its tokens), and each fetch's keys are discarded."""
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend.delivery import Early, attach, send_early
+    from vllm_hook.results import ATTR
+
+    seen = []
+
+    def rpc(method, args):
+        seen.append((args[0], list(args[1])))
+        raise RuntimeError("worker gone")
+
+    def early_reply(timeout):
+        raise RuntimeError("early reply lost")
+
+    ress = {f"r{i}": SimpleNamespace(key=f"k{i}", ticket=0) for i in range(3)}
+    st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), timing={"fetch_rpc_s": 0.0, "fetches": 0, "early_fetches": 0},
+                         pending={rid: (0.0, r) for rid, r in ress.items()}, early=None, arena_tokens=())
+    st.pop_pending = lambda rid: st.pending.pop(rid, (0, None))[1]
+    sent = []
+    send_early(st, ["r1", "r2", "gone"], lambda method, args: sent.append(args[1]) or early_reply)
+    assert sent == [["k1", "k2"]] and isinstance(st.early, Early)
+    send_early(st, ["r0"], lambda method, args: sent.append(args[1]))      # one per call
+    assert len(sent) == 1
+    outs = [SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=[1], outputs=[SimpleNamespace(token_ids=[2], index=0)])
+            for rid in ress]
+    attach(st, outs, rpc)
+    assert st.early is None and st.timing["early_fetches"] == 1 and st.timing["fetches"] == 2
+    assert seen == [("discard", ["k1", "k2"]), ("fetch", ["k0"]), ("discard", ["k0"])]
+    errs = [getattr(o, ATTR).errors[0] for o in outs]
+    assert "worker gone" in errs[0] and all("early reply lost" in e for e in errs[1:]), errs
 
 
 def test_requests_delivered_without_a_fetch_are_built_with_the_collector_paused(monkeypatch):
@@ -440,7 +476,7 @@ def test_requests_delivered_without_a_fetch_are_built_with_the_collector_paused(
     monkeypatch.setattr(D, "_attach_each", lambda st, todo, fetched, failure, opened:
                         seen.append(([o.request_id for o, _ in todo], gc.isenabled())))
     res = SimpleNamespace(key="k0", ticket=5)
-    st = SimpleNamespace(pop_pending=lambda rid: res)
+    st = SimpleNamespace(pop_pending=lambda rid: res, early=None)
     out = SimpleNamespace(request_id="r0", finished=True)
 
     def rpc(*a, **k):

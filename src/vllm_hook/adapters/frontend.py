@@ -13,6 +13,7 @@ from ..model.hook_point import OP_NAME
 from .patching import wrap_method, when_imported
 
 PROMPT_INDEX = "_vllm_hook_prompt_index"
+EARLY = "_vllm_hook_early"            # on an OutputProcessor while an offline call runs
 log = logging.getLogger("vllm_hook")
 
 
@@ -132,18 +133,77 @@ def _forget_on_failure(orig):
 
 
 def _run_engine(orig):
-    from ..frontend.delivery import attach
+    from ..frontend.delivery import attach, drop_early, send_early
     from ..frontend.state import maybe_state
 
     def run_engine(self, *args, **kwargs):
-        outputs = orig(self, *args, **kwargs)
-        st = maybe_state(self.llm_engine.input_processor)
+        eng = self.llm_engine
+        st = maybe_state(eng.input_processor)
+        send = _sender(eng.engine_core) if st is not None and st.pending else None
+        op = eng.output_processor
+        if send is not None:
+            finished: list[str] = []      # by the engine, in this call's earlier steps
+
+            def early(ids: list[str], last: bool) -> None:
+                finished.extend(ids)
+                if last:
+                    send_early(st, finished, send)
+            op.__dict__[EARLY] = early
+        try:
+            outputs = orig(self, *args, **kwargs)
+        except BaseException:
+            if st is not None:
+                drop_early(st)
+            raise
+        finally:
+            op.__dict__.pop(EARLY, None)
         if st is not None and st.persistent_hooks:
             st.note_finished(str(o.request_id) for o in outputs)
-        if st is not None and st.pending:
+        if st is not None and (st.pending or st.early is not None):
             attach(st, outputs, self.collective_rpc)
         return outputs
     return run_engine
+
+
+def _sender(engine_core):
+    """`send(method, args)`: a collective RPC sent now, its reply waited for later (the
+    result getter it returns), where the engine core is a process of its own (vLLM's
+    SyncMPClient, whose `call_utility` this splits in two); else None."""
+    import uuid
+    from concurrent.futures import Future
+
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.core_client import SyncMPClient
+
+    if type(engine_core) is not SyncMPClient:
+        return None
+
+    def send(method: str, args: tuple):
+        call_id = uuid.uuid1().int >> 64
+        future: Future = Future()
+        engine_core.utility_results[call_id] = future
+        engine_core._send_input(EngineCoreRequestType.UTILITY,
+                                (0, call_id, "collective_rpc", (method, None, args, None)))
+        return future.result
+    return send
+
+
+def _process_outputs(orig):
+    """While an offline call runs (`_run_engine`): the requests the engine finishes in each
+    step are noted, and its last step (every request in flight finishes in it) sends the
+    call's fetch before vLLM processes the step's outputs."""
+
+    def process_outputs(self, engine_core_outputs, *args, **kwargs):
+        early = self.__dict__.get(EARLY)
+        if early is not None and engine_core_outputs:
+            try:
+                ids = [o.request_id for o in engine_core_outputs if o.finish_reason is not None]
+                if ids:
+                    early([external_id(r) for r in ids], len(ids) == len(self.request_states))
+            except Exception:       # attach fetches them as it would have
+                log.exception("vllm_hook: sending an early fetch failed")
+        return orig(self, engine_core_outputs, *args, **kwargs)
+    return process_outputs
 
 
 def _abort_request(orig):
@@ -195,6 +255,8 @@ def install() -> None:
     when_imported("vllm.entrypoints.llm", _patch_llm)
     when_imported("vllm.v1.engine.llm_engine", _patch_engine)
     when_imported("vllm.v1.engine.async_llm", _patch_async_engine)
+    when_imported("vllm.v1.engine.output_processor",
+                  lambda m: wrap_method(m.OutputProcessor, "process_outputs", _process_outputs))
 
 
 def _patch_engine(mod) -> None:

@@ -179,18 +179,82 @@ def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
     return built[0] if n == 1 else built
 
 
-def nothing_to_fetch(st: FrontendState, res) -> bool:
+def nothing_to_fetch(st: FrontendState, res, count: bool = True) -> bool:
     """A steering-only request every rank has marked clean: its results are its tokens. Any
     other (captures, hooks, an error on a worker, an arena not mapped yet) is fetched: a
     worker-side failure (a full vector table, a vector deleted before it ran) must reach it."""
     if res.ticket and ARENAS.clean(st.arena_tokens, res.ticket):
-        st.timing["delivered_without_fetch"] += 1
+        if count:
+            st.timing["delivered_without_fetch"] += 1
         return True
     return False
 
 
+@dataclass
+class Early:
+    """A fetch sent when the engine's last step of an offline call came back, before vLLM
+    processed its outputs (`adapters.frontend`): the engine core fetches while this process
+    turns the step into RequestOutputs, and `attach` finds the reply there or nearly."""
+
+    keys: list[str]
+    wait: Callable[[float | None], list]     # the reply (per rank); a timeout in seconds
+    sent: float                              # time.monotonic() when sent
+
+
+def send_early(st: FrontendState, request_ids: Sequence[str], send: Callable[[str, tuple], Callable]) -> None:
+    """Fetch now the results of `request_ids` (external ids: the requests the engine finished
+    in the call, its last step's among them) that `attach` would fetch; `send(method, args)`
+    sends the RPC and returns its result getter. Once per call: later ones wait for `attach`."""
+    if st.early is not None:
+        return
+    keys = []
+    for rid in request_ids:
+        item = st.pending.get(rid)
+        if item is not None and not nothing_to_fetch(st, item[1], count=False):
+            keys.append(item[1].key)
+    if keys:
+        sent = time.monotonic()
+        st.early = Early(keys, send(RPC, fetch_args(st, keys)), sent)
+
+
+def drop_early(st: FrontendState, timeout: float = 5.0) -> None:
+    """The call failed before `attach`: hand back what an early fetch took (its payload
+    file; lent arena pieces are viewed and let go, which returns them to the worker)."""
+    early, st.early = st.early, None
+    if early is None:
+        return
+    try:
+        replies = early.wait(timeout)
+        merge_ranks(replies)
+    except Exception:
+        log.warning("vllm_hook: an early fetch's reply was not collected", exc_info=True)
+        return
+    release(replies)
+
+
+def _fetch(st: FrontendState, keys: list[str], call: Callable[[], list], sent: float,
+           rpc: Callable[..., list]) -> tuple[dict, str | None]:
+    """(entries by key, None) of one fetch RPC's reply (`call` waits for it), or ({}, why it
+    failed): generation succeeded, every output keeps its tokens."""
+    replies = None
+    try:
+        replies = call()
+        count_rpc(st, replies, sent)
+        return merge_ranks(replies, st), None
+    except Exception as e:
+        log.exception("vllm_hook: fetching results from the workers failed")
+        release(replies)
+        try:                 # and the workers need not keep them until their TTL
+            rpc(RPC, args=("discard", keys))
+        except Exception:
+            log.exception("vllm_hook: discarding the unfetched results failed too")
+        return {}, f"results could not be fetched from the workers: {e!r}"
+
+
 def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) -> None:
-    """Fetch, in one RPC, the results of every finished output that had a spec; attach them."""
+    """Fetch, in one RPC, the results of every finished output that had a spec (those an
+    early fetch took, `send_early`, from its reply); attach them."""
+    early, st.early = st.early, None
     todo, clean = [], []
     for out in outputs:
         if getattr(out, "finished", True):
@@ -198,8 +262,8 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
             if res is not None:
                 (clean if nothing_to_fetch(st, res) else todo).append((out, res))
     if clean:
-        _attach_all(st, clean, {}, None)
-    if not todo:
+        _attach_all(st, clean, {}, {})
+    if not todo and early is None:
         if clean:
             delivered()
         return
@@ -208,26 +272,26 @@ def attach(st: FrontendState, outputs: Sequence[Any], rpc: Callable[..., list]) 
     # more per request, and a full collection it triggers walks the whole heap (every output
     # of the batch): 80 ms in one fetch of 256 requests (run 61).
     with no_gc():
-        t, sent = time.perf_counter(), time.monotonic()
-        replies = None
-        try:
-            replies = rpc(RPC, args=fetch_args(st, keys))
-            count_rpc(st, replies, sent)
-            fetched = merge_ranks(replies, st)
-        except Exception as e:   # generation succeeded: every output keeps its tokens
-            log.exception("vllm_hook: fetching results from the workers failed")
-            release(replies)
-            fetched, failure = {}, f"results could not be fetched from the workers: {e!r}"
-            try:                 # and the workers need not keep them until their TTL
-                rpc(RPC, args=("discard", keys))
-            except Exception:
-                log.exception("vllm_hook: discarding the unfetched results failed too")
-        else:
-            failure = None
+        t = time.perf_counter()
+        fetched: dict[str, list[dict]] = {}
+        failures: dict[str, str] = {}
+        calls = []
+        if early is not None:
+            st.timing["early_fetches"] += 1
+            calls.append((early.keys, lambda: early.wait(None), early.sent))
+            taken = set(early.keys)
+            keys = [k for k in keys if k not in taken]
+        if keys:
+            calls.append((keys, lambda: rpc(RPC, args=fetch_args(st, keys)), time.monotonic()))
+        for ks, call, sent in calls:
+            got, failure = _fetch(st, ks, call, sent, rpc)
+            fetched.update(got)
+            if failure is not None:
+                failures.update(dict.fromkeys(ks, failure))
+            st.timing["fetches"] += 1
         st.timing["fetch_rpc_s"] += time.perf_counter() - t
-        st.timing["fetches"] += 1
         faults = _minor_faults()
-        _attach_all(st, todo, fetched, failure, Opened().expect(fetched))
+        _attach_all(st, todo, fetched, failures, Opened().expect(fetched))
         st.timing["read_build_page_faults"] = st.timing.get("read_build_page_faults", 0) + _minor_faults() - faults
     delivered()
 
@@ -243,17 +307,20 @@ def delivered() -> None:
     RECYCLER.refill_soon()
 
 
-def _attach_all(st: FrontendState, todo: list, fetched: dict, failure: str | None,
+def _attach_all(st: FrontendState, todo: list, fetched: dict, failures: dict[str, str],
                 opened: Opened | None = None) -> None:
+    """Each of `todo`'s (output, Resolved) its Results: from `fetched`'s entries, or its
+    key's message in `failures` (its fetch failed)."""
     # The collector paused: the build copies every request's token lists, and a full
     # collection over the batch's outputs landing there stalled a batch of 256 by 0.4 to
     # 0.5 s (runs 101, 102). One thread entered once for the batch (per request: 4 µs).
     with no_gc(), one_thread():
-        _attach_each(st, todo, fetched, failure, opened or Opened())
+        _attach_each(st, todo, fetched, failures, opened or Opened())
 
 
-def _attach_each(st: FrontendState, todo: list, fetched: dict, failure: str | None, opened: Opened) -> None:
+def _attach_each(st: FrontendState, todo: list, fetched: dict, failures: dict[str, str], opened: Opened) -> None:
     for out, res in todo:
+        failure = failures.get(res.key)
         if failure is not None:
             setattr(out, ATTR, failed(out, failure))
             continue
