@@ -256,17 +256,20 @@ def test_concurrent_requests_stay_isolated(server, refs):
 def test_requests_finishing_together_share_one_fetch(server, client, refs):
     """One HTTP request with 32 prompts: vLLM adds them at once, they run in the same engine
     steps and finish together (vLLM schedules the first alone: 2 RPCs measured), and their
-    results come in one fetch RPC per finishing step, not 32; each equals
-    its solo offline run. (Concurrent clients reach this 2-core server over 50-150 ms, finish
+    results come in one fetch RPC per finishing step, not 32, sent as the step comes back;
+    each equals its solo offline run. (Concurrent clients reach this 2-core server over 50-150 ms, finish
     over several steps and share one RPC per step: 3 to 19 RPCs for 32 in 13 runs.)"""
     openai = pytest.importorskip("openai")
     oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
     ids, spec, n = CASES["capture_last_prompt"]
     tokens, ref = refs["capture_last_prompt"]
-    before = client.health()["frontend"]["fetches"]
+    before = client.health()["frontend"]
     resp = oc.completions.create(model=tiny_model("qwen2"), prompt=[ids] * 32, max_tokens=n, temperature=0,
                                  extra_body={"vllm_xargs": {"vllm_hook": json.dumps(spec)}})
-    fetches = client.health()["frontend"]["fetches"] - before
+    after = client.health()["frontend"]
+    fetches = after["fetches"] - before["fetches"]
+    # each sent as its engine step came back, before vLLM processed it (`FetchBatcher.prefetch`)
+    assert after["early_fetches"] - before["early_fetches"] == fetches
     got = client.results_of(resp)
     assert len(got) == 32
     for r in got:

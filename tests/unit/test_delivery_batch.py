@@ -125,6 +125,50 @@ def test_served_requests_finishing_together_share_one_fetch():
     assert st.timing["fetches"] == 3
 
 
+def test_served_fetch_leaves_as_the_engine_step_comes_back():
+    """FetchBatcher.prefetch (the requests an engine step finished, before vLLM processed
+    it): their fetch leaves at once, and each request's `entries` takes its key from it,
+    no second RPC; clean or unknown requests are not fetched; a request not prefetched goes
+    the usual way; an aborted one's key is let go (`forget`), and unclaimed keys are bounded."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend.delivery import FetchBatcher
+
+    calls = []
+
+    async def rpc(method, args):
+        calls.append(args[:2])
+        await asyncio.sleep(0.01)
+        return [{"entries": {k: [{"j": 0, "req_id": k}] for k in args[1]}, "batch": b"payload"}]
+
+    res = {f"r{i}": SimpleNamespace(key=f"k{i}", ticket=0) for i in range(4)}
+    st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), arena_tokens=(),
+                         timing={"fetch_rpc_s": 0.0, "fetches": 0, "early_fetches": 0},
+                         pending={rid: (0.0, r) for rid, r in res.items()})
+    fb = FetchBatcher(st, rpc)
+
+    async def main():
+        fb.prefetch(["r0", "r1", "unknown"])
+        assert calls == []                             # sent from a task, at the next turn
+        await asyncio.sleep(0)
+        assert calls == [("fetch", ["k0", "k1"])]
+        got = await asyncio.gather(fb.entries("k1"), fb.entries("k0"), fb.entries("k2"))
+        assert [g[0][0]["req_id"] for g in got] == ["k1", "k0", "k2"]
+        assert got[0][1] is got[1][1] and got[2][1] is not got[0][1]
+        assert calls == [("fetch", ["k0", "k1"]), ("fetch", ["k2"])]
+        fb.prefetch(["r3"])
+        fb.forget(["k3"])
+        assert not fb._early
+        fb.MAX_EARLY = 2
+        fb.prefetch(["r0", "r1", "r2"])
+        assert list(fb._early) == ["k1", "k2"]
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert st.timing["early_fetches"] == 3 and st.timing["fetches"] == 4
+
+
 def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go(monkeypatch):
     """`delivery.arena`: a block's range is free again only when the worker's views died and
     every piece lent from it was released by the frontend; freed neighbours merge; a full

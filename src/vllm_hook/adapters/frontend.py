@@ -223,6 +223,7 @@ def _abort_request(orig):
 def _async_abort(orig):
     from ..frontend.delivery import RPC, forget
     from ..frontend.state import maybe_state
+    from .server import BATCHER_ATTR
 
     async def abort(self, request_id, *args, **kwargs):
         out = await orig(self, request_id, *args, **kwargs)
@@ -230,6 +231,9 @@ def _async_abort(orig):
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         keys = forget(st, ids) if st is not None and st.pending else []
         if keys:
+            batcher = self.__dict__.get(BATCHER_ATTR)
+            if batcher is not None:          # an early fetch's results they will not claim
+                batcher.forget(keys)
             await self.collective_rpc(RPC, args=("discard", keys))
         return out
     return abort

@@ -34,6 +34,7 @@ from ..server.store import ResultStore
 from ..spec.errors import SpecError, UnknownVectorError
 from ..spec.lens import has_lens_args, translate
 from ..spec.schema import SPEC_KEY
+from .frontend import EARLY
 from .patching import when_imported, wrap_method
 
 log = logging.getLogger("vllm_hook")
@@ -95,6 +96,9 @@ def _batcher(engine: Any, st: FrontendState) -> FetchBatcher:
     b = engine.__dict__.get(BATCHER_ATTR)
     if b is None:
         b = engine.__dict__[BATCHER_ATTR] = FetchBatcher(st, engine.collective_rpc)
+        # The requests each engine step finishes are fetched before vLLM turns the step into
+        # outputs (`adapters.frontend._process_outputs`), not once their generators ask.
+        engine.output_processor.__dict__[EARLY] = lambda ids, last: b.prefetch(ids)
     return b
 
 
@@ -171,6 +175,7 @@ def _generate(orig):
         if not extra or SPEC_KEY not in extra:
             st = maybe_state(self.input_processor)
             return _noting(agen, st, request_id) if st is not None and st.persistent_hooks else agen
+        _batcher(self, state_of(self.input_processor))     # its early fetches from the first
         delta = getattr(getattr(sp, "output_kind", None), "name", "") == "DELTA"
         sink = encode.current()      # read now: the caller's context, not the consumer's
         slot = sink.reserve() if sink is not None else None

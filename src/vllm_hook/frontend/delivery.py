@@ -190,6 +190,16 @@ def nothing_to_fetch(st: FrontendState, res, count: bool = True) -> bool:
     return False
 
 
+def fetch_keys(st: FrontendState, request_ids: Sequence[str]) -> list[str]:
+    """The keys of the pending requests among `request_ids` that have results to fetch."""
+    keys = []
+    for rid in request_ids:
+        item = st.pending.get(rid)
+        if item is not None and not nothing_to_fetch(st, item[1], count=False):
+            keys.append(item[1].key)
+    return keys
+
+
 @dataclass
 class Early:
     """A fetch sent when the engine's last step of an offline call came back, before vLLM
@@ -207,11 +217,7 @@ def send_early(st: FrontendState, request_ids: Sequence[str], send: Callable[[st
     sends the RPC and returns its result getter. Once per call: later ones wait for `attach`."""
     if st.early is not None:
         return
-    keys = []
-    for rid in request_ids:
-        item = st.pending.get(rid)
-        if item is not None and not nothing_to_fetch(st, item[1], count=False):
-            keys.append(item[1].key)
+    keys = fetch_keys(st, request_ids)
     if keys:
         sent = time.monotonic()
         st.early = Early(keys, send(RPC, fetch_args(st, keys)), sent)
@@ -353,27 +359,56 @@ class FetchBatcher:
     builds its own Results from the batch's entries and its shared `Opened` payload."""
 
     JOIN_TURNS = 4
+    MAX_EARLY = 4096         # keys fetched before their request asked (`prefetch`), unclaimed
 
     def __init__(self, st: FrontendState, rpc: Callable[..., Any]):
         self.st, self.rpc = st, rpc          # rpc: the engine's async collective_rpc
         self._open: _Batch | None = None
+        self._early: dict[str, _Batch] = {}
+
+    def _batch(self, keys: list[str], turns: int) -> "_Batch":
+        loop = asyncio.get_running_loop()
+        b = _Batch(keys, loop.create_future(), Opened())
+        b.done.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
+        loop.create_task(self._flush(b, turns))
+        return b
+
+    def prefetch(self, request_ids: Sequence[str]) -> None:
+        """The requests the engine has just finished (external ids), before vLLM processes
+        their outputs (`adapters.frontend`, on the event loop): their fetch leaves now, and
+        `entries` finds each key in it. A key never claimed (its client went away first)
+        goes with `forget`, or once MAX_EARLY are waiting, the oldest first."""
+        keys = fetch_keys(self.st, request_ids)
+        if not keys:
+            return
+        self.st.timing["early_fetches"] += 1
+        b = self._batch(keys, 0)
+        for k in keys:
+            self._early[k] = b
+        while len(self._early) > self.MAX_EARLY:
+            self._early.pop(next(iter(self._early)))
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """Aborted requests: an early fetch's results they will not claim."""
+        for k in keys:
+            self._early.pop(k, None)
 
     async def entries(self, key: str) -> tuple[list[dict], "Opened"]:
-        b = self._open
+        b = self._early.pop(key, None)
         if b is None:
-            loop = asyncio.get_running_loop()
-            b = self._open = _Batch([], loop.create_future(), Opened())
-            b.done.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
-            loop.create_task(self._flush(b))
-        b.keys.append(key)
+            b = self._open
+            if b is None:
+                b = self._open = self._batch([], self.JOIN_TURNS)
+            b.keys.append(key)
         # shield: a waiter whose client went away must not cancel the others' fetch
         merged = await asyncio.shield(b.done)
         return merged.get(key, []), b.opened
 
-    async def _flush(self, b: "_Batch") -> None:
-        for _ in range(self.JOIN_TURNS):
+    async def _flush(self, b: "_Batch", turns: int) -> None:
+        for _ in range(turns):
             await asyncio.sleep(0)
-        self._open = None
+        if self._open is b:
+            self._open = None
         t, sent = time.perf_counter(), time.monotonic()
         replies = None
         try:
