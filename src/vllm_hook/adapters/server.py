@@ -2,7 +2,8 @@
 and the plugin's routes on vLLM's app.
 
 * `AsyncLLM.generate`: when a request with a spec finishes, fetch its captures from the
-  workers (one RPC for the requests that finish together: `frontend.delivery.FetchBatcher`)
+  workers (one RPC for the requests that finish together, sent as their engine step comes
+  back: `frontend.delivery.FetchBatcher`)
   and attach `Results` to the final `RequestOutput`, before the serving code sees it. Works for any AsyncLLM user, not only HTTP.
 * `AsyncLLM.add_request`: a spec error leaves it as a SpecError that is also vLLM's
   client-error class, so every endpoint answers 400/404 (not 500).
