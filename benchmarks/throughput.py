@@ -84,7 +84,7 @@ def run_case(native, plugin, name, spec_of, n, plen, gen, reps) -> dict:
                                        - before.get("frontend.read_build_page_faults", 0)) / hooked_requests}
     for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s"),
                           ("late_in_engine", "hooked_late_s", "unhooked_s"), ("early_over_late", "hooked_s", "hooked_late_s")):
-        if num in rows[0]:
+        if num in rows[0] and den in rows[0]:
             res[est] = median_ci([r[num] / r[den] for r in rows])
     res["tokens_per_s_native"] = n * gen / min(r["native_s"] for r in rows)
     res["gc_ms"] = [1e3 * median_ci([r[k] for r in rows])[0] for k in ("hooked_gc_s", "unhooked_gc_s")]
