@@ -163,10 +163,14 @@ def test_served_fetch_leaves_as_the_engine_step_comes_back():
         fb.MAX_EARLY = 2
         fb.prefetch(["r0", "r1", "r2"])
         assert list(fb._early) == ["k1", "k2"]
+        fb.MAX_EARLY, fb.EARLY_TTL_S = 4096, 0.0
+        await asyncio.sleep(0.001)
+        fb.prefetch(["r3"])                            # older unclaimed keys expire
+        assert list(fb._early) == ["k3"]
         await asyncio.sleep(0.05)
 
     asyncio.run(main())
-    assert st.timing["early_fetches"] == 3 and st.timing["fetches"] == 4
+    assert st.timing["early_fetches"] == 4 and st.timing["fetches"] == 5
 
 
 def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go(monkeypatch):

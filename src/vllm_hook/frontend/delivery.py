@@ -360,11 +360,12 @@ class FetchBatcher:
 
     JOIN_TURNS = 4
     MAX_EARLY = 4096         # keys fetched before their request asked (`prefetch`), unclaimed
+    EARLY_TTL_S = 60.0       # a request claims its key milliseconds after its step: kept 60 s
 
     def __init__(self, st: FrontendState, rpc: Callable[..., Any]):
         self.st, self.rpc = st, rpc          # rpc: the engine's async collective_rpc
         self._open: _Batch | None = None
-        self._early: dict[str, _Batch] = {}
+        self._early: dict[str, tuple[_Batch, float]] = {}      # key -> (batch, monotonic time)
 
     def _batch(self, keys: list[str], turns: int) -> "_Batch":
         loop = asyncio.get_running_loop()
@@ -377,16 +378,18 @@ class FetchBatcher:
         """The requests the engine has just finished (external ids), before vLLM processes
         their outputs (`adapters.frontend`, on the event loop): their fetch leaves now, and
         `entries` finds each key in it. A key never claimed (its client went away first)
-        goes with `forget`, or once MAX_EARLY are waiting, the oldest first."""
+        goes with `forget`, after EARLY_TTL_S, or once MAX_EARLY are waiting, the oldest
+        first (with the last key of a batch its payload goes back to the worker)."""
         keys = fetch_keys(self.st, request_ids)
         if not keys:
             return
         self.st.timing["early_fetches"] += 1
-        b = self._batch(keys, 0)
+        b, now = self._batch(keys, 0), time.monotonic()
         for k in keys:
-            self._early[k] = b
-        while len(self._early) > self.MAX_EARLY:
-            self._early.pop(next(iter(self._early)))
+            self._early[k] = (b, now)
+        early = self._early
+        while early and (len(early) > self.MAX_EARLY or now - next(iter(early.values()))[1] > self.EARLY_TTL_S):
+            early.pop(next(iter(early)))
 
     def forget(self, keys: Sequence[str]) -> None:
         """Aborted requests: an early fetch's results they will not claim."""
@@ -394,7 +397,8 @@ class FetchBatcher:
             self._early.pop(k, None)
 
     async def entries(self, key: str) -> tuple[list[dict], "Opened"]:
-        b = self._early.pop(key, None)
+        got = self._early.pop(key, None)
+        b = got[0] if got is not None else None
         if b is None:
             b = self._open
             if b is None:
