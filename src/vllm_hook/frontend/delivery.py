@@ -353,10 +353,12 @@ def _lens_view(out: Any, r: Results, layers: tuple[int, ...]) -> None:
 class FetchBatcher:
     """Served mode: requests that finish together share one fetch RPC and one payload.
 
-    A finished request's generator asks for its entries; the first opens a batch and lets the
-    event loop run a few turns, in which the other requests of the same engine output (vLLM
-    wakes them one after another) join it. Then one RPC fetches all their keys. Each request
-    builds its own Results from the batch's entries and its shared `Opened` payload."""
+    The requests an engine step finishes are fetched as the step comes back (`prefetch`), and
+    each one's generator takes its key from that batch. A request it did not cover (a stop
+    string, n > 1) asks for its entries; the first opens a batch and lets the event loop run a
+    few turns, in which the other requests of the same engine output (vLLM wakes them one
+    after another) join it. Then one RPC fetches all their keys. Each request builds its own
+    Results from the batch's entries and its shared `Opened` payload."""
 
     JOIN_TURNS = 4
     MAX_EARLY = 4096         # keys fetched before their request asked (`prefetch`), unclaimed
