@@ -40,14 +40,14 @@ def test_benchmark_suite_smoke(tmp_path, engines):
 
 
 def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
-    """benchmarks/throughput.py and extract_speed.py (issue 17) and hooks_gpu.py (issue 16) on
-    the tiny model."""
+    """benchmarks/throughput.py, extract_speed.py and async_fetch.py (issue 17) and
+    hooks_gpu.py (issue 16) on the tiny model."""
     engines.close()
     # --one-params: the uniform workloads as users pass them (one SamplingParams), mixed as before;
     # --varied-lengths: prompts of many lengths, as a dataset's
     for script, extra in (("throughput.py", ["--workloads", "unused", "steer_add_all_layers", "mixed_thirds",
                                              "steer_add_all_layers_own_scale", "--one-params", "--varied-lengths"]),
-                          ("hooks_gpu.py", []), ("extract_speed.py", [])):
+                          ("hooks_gpu.py", []), ("extract_speed.py", []), ("async_fetch.py", [])):
         out = tmp_path / script
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
                               capture_output=True, text=True, timeout=1500)
@@ -60,6 +60,8 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
     assert tp["varied_lengths"] and tp["one_params"] and "lengths spread" in (tmp_path / "throughput.py" / "report.md").read_text()
     hk = json.loads((tmp_path / "hooks_gpu.py" / "results.json").read_text())
     assert hk["parity"]["modifying_hook_zeroed_dims_exactly"] is True
+    af = json.loads((tmp_path / "async_fetch.py" / "results.json").read_text())
+    assert all(set(r) == {"hooked", "unhooked", "late"} for c in af["cases"] for r in c["reps"]) and af["cases"]
     xs = json.loads((tmp_path / "extract_speed.py" / "results.json").read_text())
     assert [c["job"] for c in xs["cases"]] == ["last_prompt_4_layers", "all_tokens_4_layers_bf16"]
     assert all(c["bytes"] > 0 and c["extract_tok_s"] > 0 for c in xs["cases"])
