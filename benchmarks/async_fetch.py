@@ -56,12 +56,13 @@ async def run_case(engine, vocab: int, name: str, spec_of, n: int, plen: int, ge
     prefetch = FetchBatcher.prefetch
     rows = []
     for rep in range(reps):
-        ps = prompts(n, plen, vocab, 1000 * rep + 7, True)     # new prompts: no prefix-cache hits
         specs = [spec_of(i) for i in range(n)]
         arms = ["hooked", "unhooked", "late"]
         arms = arms[rep % 3:] + arms[:rep % 3]
         got = {}
-        for arm in arms:
+        for k, arm in enumerate(arms):
+            # new prompts for every batch: a repeated one would read vLLM's prefix cache
+            ps = prompts(n, plen, vocab, 1000 * rep + 7 + k, True)
             if arm == "late":
                 FetchBatcher.prefetch = lambda self, ids: None
             try:
