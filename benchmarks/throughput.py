@@ -75,11 +75,11 @@ def run_case(native, plugin, name, spec_of, n, plen, gen, reps) -> dict:
         rows.append({"native_s": tn if tn is not None else tu, "unhooked_s": tu, "hooked_s": th,
                      "unhooked_gc_s": gu, "hooked_gc_s": gh, **({"hooked_late_s": got["late"][0]} if LATE["on"] else {})})
     after = counters(plugin)
-    hooked_requests = n * reps * (2 if LATE["on"] else 1)     # --late-fetch: both hooked arms' stages
+    hooked_batches = reps * (2 if LATE["on"] else 1)     # --late-fetch: both hooked arms' stages
+    hooked_requests = n * hooked_batches
     stages = {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / hooked_requests for k, label in STAGES.items()}
     res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows, "host_us_per_request": stages,
-           "fetch_rpcs_per_rep": (after.get("frontend.fetches", 0) - before.get("frontend.fetches", 0))
-           / (reps * (2 if LATE["on"] else 1)),
+           "fetch_rpcs_per_rep": (after.get("frontend.fetches", 0) - before.get("frontend.fetches", 0)) / hooked_batches,
            "page_faults_per_request": (after.get("frontend.read_build_page_faults", 0)
                                        - before.get("frontend.read_build_page_faults", 0)) / hooked_requests}
     for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s"),
