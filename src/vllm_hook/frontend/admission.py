@@ -65,7 +65,7 @@ def _hooked(request: Any, sp: Any) -> None:
 def _check_capture_bytes(st, res, prompt_len: int, sp: Any) -> None:
     """Refuse a request whose captures could exceed max_capture_bytes_per_request (worst case:
     max_tokens generated; per request, since max_tokens is not part of the cached spec)."""
-    limit = st.cfg.capture_limits()[0]
+    limit = st.capture_limit()
     max_tokens = getattr(sp, "max_tokens", None)
     total = min(prompt_len + (max_tokens if max_tokens is not None else st.max_model_len), st.max_model_len)
     worst = res.worst_bytes.get((prompt_len, total))

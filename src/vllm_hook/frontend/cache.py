@@ -24,7 +24,7 @@ import torch
 
 from ..hooks.hook import Hook
 from ..spec.rescale import Template
-from ..spec.resolve import Resolved, reads_cached_prefix
+from ..spec.resolve import Resolved
 
 MAX_ENTRIES = 256
 MAX_KEY_BYTES = 64 << 10      # larger specs (large inline vectors) are resolved every time
@@ -130,7 +130,7 @@ def own_copy(res: Resolved, prompt_len: int | None = None) -> Resolved:
     out.__dict__ = {**res.__dict__, "key": key, "wire": {**res.wire, "key": key}}
     if prompt_len is not None and prompt_len != res.prompt_len:
         out.prompt_len = out.wire["P"] = prompt_len
-        out.reads_cached_prefix = reads_cached_prefix(res.wire["cap"], prompt_len)
+        out.reads_cached_prefix = prompt_len >= res.prefix_from
     return out
 
 

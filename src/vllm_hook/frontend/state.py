@@ -54,6 +54,14 @@ class FrontendState:
     _tickets: Iterator[int] = field(default_factory=lambda: itertools.count(
         (secrets.randbits(30) + 1) << 32 | 1))
 
+    def capture_limit(self) -> int:
+        """max_capture_bytes_per_request, its default read from the host once (admission checks
+        it per request: two sysconf calls each)."""
+        got = self.__dict__.get("_capture_limit")
+        if got is None:
+            got = self.__dict__["_capture_limit"] = self.cfg.capture_limits()[0]
+        return got
+
     def next_ticket(self) -> int:
         """A steering-only request's ticket: unique (a 30-bit random prefix, a 32-bit count)."""
         return next(self._tickets)

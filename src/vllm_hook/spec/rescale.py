@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .resolve import (STEER_COLUMNS, ModelInfo, Resolved, coef_bytes, digest_of, pack_steer, reads_cached_prefix,
+from .resolve import (STEER_COLUMNS, ModelInfo, Resolved, coef_bytes, digest_of, pack_steer,
                       shape_bytes, steer_bound, unpack_steer)
 from .schema import MAX_SPEC_CHARS, AblateOp, AddOp, HookSpec
 
@@ -127,5 +127,5 @@ def rescaled(t: Template, nums: list[tuple], prompt_len: int) -> Resolved | None
                     "wire": {**res.wire, "key": key, "steer": pack_steer(cols), "sd": digest}}
     if prompt_len != res.prompt_len:
         out.prompt_len = out.wire["P"] = prompt_len
-        out.reads_cached_prefix = reads_cached_prefix(res.wire["cap"], prompt_len)
+        out.reads_cached_prefix = prompt_len >= res.prefix_from
     return out

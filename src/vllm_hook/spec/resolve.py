@@ -140,6 +140,9 @@ class Resolved:
     stack_layers: tuple[int, ...] | None = None   # vllm-lens output_residual_stream: out.activations
     ticket: int = 0                # steering only: its clean mark's ticket (delivery.arena), 0: none
     steer_norms: tuple[float, ...] = ()   # each steering op's vector norm (`spec.rescale`)
+    # the shortest prompt for which its captures read a cached prefix (`cached_prefix_from`):
+    # a copy for another prompt length sets `reads_cached_prefix` by one comparison
+    prefix_from: float = math.inf
     # capture_bytes by (prompt length, total length), shared by the copies the frontend cache hands out
     worst_bytes: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -376,7 +379,8 @@ def resolve(
 
     # Cached prefix tokens are never recomputed, so their activations would not exist.
     # vLLM always recomputes the last prompt token, so only earlier positions force a recompute.
-    reads_cached = reads_cached_prefix(wire_cap, prompt_len)
+    prefix_from = cached_prefix_from(wire_cap)
+    reads_cached = prompt_len >= prefix_from
 
     wire_hooks = resolve_hooks(spec.hooks, n, config.layers_of(config.hook_layers, n), allow_pickles,
                                tuple(config.hook_modules)) if spec.hooks else []
@@ -395,7 +399,7 @@ def resolve(
     return Resolved(wire=wire, key=key, prompt_len=prompt_len,
                     save_dir=spec.save.dir if spec.save else None, steer_digest=steer_digest,
                     reads_cached_prefix=reads_cached, items=items, dtype=spec.dtype,
-                    hooks=len(wire_hooks), steer_norms=tuple(norms))
+                    hooks=len(wire_hooks), steer_norms=tuple(norms), prefix_from=prefix_from)
 
 
 def shape_bytes(cols: dict[str, list]) -> bytes:
@@ -477,16 +481,21 @@ def capture_bytes(items: list[dict], model: ModelInfo, prompt_len: int, total_le
 
 def reads_cached_prefix(wire_cap: list[dict], prompt_len: int) -> bool:
     """Whether captures `wire_cap` need prompt rows a cached prefix would skip."""
-    return any(_needs_early_prompt(c, prompt_len) for c in wire_cap)
+    return prompt_len >= cached_prefix_from(wire_cap)
 
 
-def _needs_early_prompt(cap: dict, prompt_len: int) -> bool:
-    sel = cap["sel"]
-    if sel in ("all", "prompt"):
-        return prompt_len > 1
-    if sel == "pos":
-        return any(p < prompt_len - 1 for p in cap["pos"])
-    return False
+def cached_prefix_from(wire_cap: list[dict]) -> float:
+    """The shortest prompt for which captures `wire_cap` need prompt rows a cached prefix would
+    skip (inf: none). vLLM always recomputes the last prompt token, so "all" and "prompt" need
+    a prompt of 2 tokens, a position p one of p + 2, other selectors none."""
+    low = math.inf
+    for cap in wire_cap:
+        sel = cap["sel"]
+        if sel in ("all", "prompt"):
+            low = min(low, 2)
+        elif sel == "pos" and cap["pos"]:
+            low = min(low, min(cap["pos"]) + 2)
+    return low
 
 
 def selected_mask(sel: str, pos_list, positions, prompt_len: int):
