@@ -479,11 +479,6 @@ def capture_bytes(items: list[dict], model: ModelInfo, prompt_len: int, total_le
     return sum(n * per_row[k] for k, n in rows.items())
 
 
-def reads_cached_prefix(wire_cap: list[dict], prompt_len: int) -> bool:
-    """Whether captures `wire_cap` need prompt rows a cached prefix would skip."""
-    return prompt_len >= cached_prefix_from(wire_cap)
-
-
 def cached_prefix_from(wire_cap: list[dict]) -> float:
     """The shortest prompt for which captures `wire_cap` need prompt rows a cached prefix would
     skip (inf: none). vLLM always recomputes the last prompt token, so "all" and "prompt" need
