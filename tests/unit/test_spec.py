@@ -360,3 +360,31 @@ def test_size_bounds_keep_the_check_short():
     with pytest.raises(SpecError, match="distinct") as e:
         resolve(parse_spec(spec), big, wide, 200, {}.get)
     assert e.value.where == "capture"
+
+
+def test_served_check_parses_a_spec_text_once_and_stays_bounded(monkeypatch):
+    """`vllm serve` checks each request's spec text before admission: a text that passed is
+    known by its digest (no second parse); a refused one is refused every time; the memory of
+    passed texts is bounded."""
+    from vllm_hook.server import errors
+
+    monkeypatch.setattr(errors, "_PASSED", type(errors._PASSED)())
+    monkeypatch.setattr(errors, "PASSED_MAX", 4)
+    parses = []
+    real = errors.parse_spec
+    monkeypatch.setattr(errors, "parse_spec", lambda raw: parses.append(raw) or real(raw))
+    text = json.dumps({"steer": [{"op": "add", "layer": x, "vector": "v", "scale": 0.5} for x in range(3)]})
+    for _ in range(3):
+        errors.check_served_spec(text)
+    assert len(parses) == 1
+    saving = json.dumps({"capture": [{"layers": [0]}], "save": {"dir": "/tmp/x"}})
+    for _ in range(2):
+        with pytest.raises(SpecError, match="not available over HTTP"):
+            errors.check_served_spec(saving)
+    with pytest.raises(SpecError, match="malformed JSON"):
+        errors.check_served_spec("{")
+    for i in range(10):
+        errors.check_served_spec(json.dumps({"capture": [{"layers": [i]}]}))
+    assert len(errors._PASSED) == 4
+    errors.check_served_spec(text)            # pushed out by the later ones: parsed again
+    assert len(parses) == 1 + 2 + 1 + 10 + 1

@@ -323,10 +323,13 @@ def _create(orig):
         raw = (getattr(request, "vllm_xargs", None) or {}).get(SPEC_KEY)
         if raw is None:
             return await orig(self, request, *args, **kwargs)
+        t0 = time.perf_counter()
         try:
             check_served_spec(raw)
         except SpecError as e:
             return _error(self, e)
+        finally:     # part of the request's admission, as its stage counter reports it
+            served_of(self.engine_client).frontend.timing["admit_s"] += time.perf_counter() - t0
         with encode.collecting() as sink:
             try:
                 result = await orig(self, request, *args, **kwargs)
