@@ -11,6 +11,11 @@ native, plugin, native, plugin: the native server (`VLLM_HOOK_DISABLE=1`) twice,
 taken, and the plugin server with the workload's specs and without, hooked first on even reps,
 unhooked first on odd ones, so that no server serves two batches in a row (that batch is slower
 whichever server it is). The in-engine ratio is hooked over unhooked on one server.
+The client process's heap (torch, httpx, the benchmark) is frozen out of Python's cyclic
+collector once set up (`gc.freeze`): a full collection of it took 70 to 100 ms on the CI
+machine, about one batch in two whichever server it timed, as much as a 256-request batch's
+whole plugin cost on a GPU (`--no-gc-freeze` keeps it; the client's collector time per batch
+is reported either way).
 `--control` starts a second native server for the second native slot: its ratio to the first
 is the floor of what two servers on one machine differ by.
 The servers run at once (started one after another), each with its share of GPU memory, and
@@ -24,6 +29,7 @@ time: the bandwidth at which moving the results alone would explain the extra.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -83,6 +89,16 @@ def start_servers(args, model: str, out: Path) -> dict[str, Server]:
     return servers
 
 
+GC_S = [0.0, 0.0]    # seconds in the client's cyclic collector (total), the current one's start
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        GC_S[1] = time.perf_counter()
+    else:
+        GC_S[0] += time.perf_counter() - GC_S[1]
+
+
 class Driver:
     """One server's client: a connection pool large enough for every request of a batch."""
 
@@ -99,13 +115,15 @@ class Driver:
                                       timeout=1800, limits=limits)
         self.client = AsyncClient(url, http=self.http)
         self.delivered = 0      # bytes of activations in the last batch's results
+        self.gc_s = 0.0         # the client's seconds in Python's collector during the last batch
 
     async def batch(self, ps: list[list[int]], gen: int, specs: list) -> float:
         """Seconds from sending the first of `ps` to holding every response and its results."""
-        t = time.perf_counter()
+        t, g = time.perf_counter(), GC_S[0]
         gens = await asyncio.gather(*(self.client.generate(p, s, max_tokens=gen, temperature=0.0, ignore_eos=True)
                                       for p, s in zip(ps, specs)))
         took = time.perf_counter() - t
+        self.gc_s = GC_S[0] - g
         self.delivered = 0
         for g, s in zip(gens, specs):      # a failed op is an error in the results: none here
             if s is not None and (g.results is None or not g.results.ok):
@@ -140,6 +158,7 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
         for key, server, sp in (("native_s", "native", plain), (first[0], "plugin", first[1]),
                                 (*second, plain), (then[0], "plugin", then[1])):
             row[key] = await drivers[server].batch(ps, gen, sp)
+            row[key.replace("_s", "_gc_s")] = drivers[server].gc_s
             if key == "hooked_s":
                 row["delivered_bytes"] = drivers[server].delivered
         if "native_2_s" in row:          # without --control native runs twice a rep: their mean
@@ -153,6 +172,7 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
                           ("unhooked_vs_native", "unhooked_s", "native_s"), ("native_b_vs_native", "native_b_s", "native_s")):
         if num in rows[0]:
             res[est] = median_ci([r[num] / r[den] for r in rows])
+    res["client_gc_ms"] = [1e3 * median_ci([r[k] for r in rows])[0] for k in ("hooked_gc_s", "unhooked_gc_s")]
     res["requests_per_s_native"] = n / min(r["native_s"] for r in rows)
     # The bandwidth at which moving the results' bytes alone would take the hooked batch's extra time.
     res["delivered_mb"] = rows[0]["delivered_bytes"] / 1e6
@@ -172,8 +192,8 @@ def report(result: dict) -> str:
              "[95 % bootstrap interval] over reps.", "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
              "unhooked vs native | second native vs native | native, requests/s | results delivered (MB) | "
-             "MB / extra s | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MB / extra s | target | client's garbage collection, ms: hooked / unhooked |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("cases", []):
         ie, uv = r["in_engine"], r["unhooked_vs_native"]
         nb = r.get("native_b_vs_native")
@@ -182,7 +202,8 @@ def report(result: dict) -> str:
                      + (f"{nb[0]:.3f} [{nb[1]:.3f}, {nb[2]:.3f}]" if nb else "–")
                      + f" | {r['requests_per_s_native']:.0f} | {r.get('delivered_mb', 0):.3g} | "
                      + (f"{1e3 * r['delivered_gb_per_extra_s']:.0f}" if r.get("delivered_gb_per_extra_s") else "–")
-                     + f" | {verdict(r)} |")
+                     + f" | {verdict(r)} | "
+                     + (f"{r['client_gc_ms'][0]:.1f} / {r['client_gc_ms'][1]:.1f} |" if "client_gc_ms" in r else "– |"))
     lines += ["", "Plugin server's host time per hooked request by stage (µs, from its counters):", "",
               "| workload | requests | gen | " + " | ".join(SERVED_STAGES.values()) + " |",
               "|---|---|---|" + "---|" * len(SERVED_STAGES)]
@@ -202,6 +223,10 @@ async def bench(args, model: str, cfg: dict, result: Record) -> None:
         import torch
 
         await drivers["plugin"].client.register_vectors({VECTOR: torch.randn(cfg["hidden_size"])})
+        gc.callbacks.append(_on_gc)
+        if not args.no_gc_freeze:
+            gc.collect()
+            gc.freeze()
         wl = workloads(cfg["num_hidden_layers"])
         for b in args.batches:
             n, rest = b.split("x")
@@ -234,6 +259,8 @@ def main() -> None:
     ap.add_argument("--client-limits", choices=["none-kept", "async-client"], default="none-kept",
                     help="the client's connection pool: none kept alive (default), or vllm_hook.AsyncClient's "
                          "own limits (1,024 connections, 20 kept alive)")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the client's heap to Python's collector (default: frozen once set up)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     ap.add_argument("--smoke-layers", type=int, default=4, help="--smoke: layers of the tiny Qwen2")
     args = ap.parse_args()
@@ -251,7 +278,8 @@ def main() -> None:
     args.reps = args.reps or 5
     cfg = json.loads((Path(model) / "config.json").read_text())
     result = Record(Path(args.out), run_meta(model, cfg, inline_bytes=args.inline_bytes,
-                                              client_limits=args.client_limits), render=report, cases=[])
+                                              client_limits=args.client_limits, gc_freeze=not args.no_gc_freeze),
+                    render=report, cases=[])
     try:
         asyncio.run(bench(args, model, cfg, result))
     finally:
