@@ -464,13 +464,16 @@ class AsyncClient:
         return [r for _, r in await self._pairs(response)]
 
     async def _pairs(self, response: Any) -> list[tuple[int, Results]]:
-        async def one(e: dict) -> tuple[int, Results]:
-            data = _inline(e)
-            if data is None and e.get("handle"):
-                data = (await self._call("GET", _fetch_path(e["handle"]))).content
-            return e["index"], _decode(e, data)
-
-        return list(await asyncio.gather(*(one(e) for e in _entries(response))))
+        entries = _entries(response)
+        datas = [_inline(e) for e in entries]
+        # Only results kept by handle need a round trip (those at once); inline ones are
+        # decoded here, without a task each: a batch's responses all arrive at its last step.
+        fetch = [i for i, (e, d) in enumerate(zip(entries, datas)) if d is None and e.get("handle")]
+        if fetch:
+            got = await asyncio.gather(*(self._call("GET", _fetch_path(entries[i]["handle"])) for i in fetch))
+            for i, resp in zip(fetch, got):
+                datas[i] = resp.content
+        return [(e["index"], _decode(e, d)) for e, d in zip(entries, datas)]
 
     async def register_vectors(self, vectors: Mapping[str, Any]) -> list[str]:
         body = {k: _wire_vector(v) for k, v in vectors.items()}
