@@ -353,6 +353,9 @@ BAD_SPECS = {
     "layer_true": ({"capture": [{"layers": [True]}]}, 400, "expected an integer"),
     "overflowing_scale": ({"steer": [{"op": "add", "layer": 0, "vector": GOOD, "scale": 1e39}]}, 400,
                           "exceeds"),
+    # A lone surrogate in the spec text (a JSON "\ud800" escape in the request body)
+    "lone_surrogate": ('{"steer": [{"op": "add", "layer": 0, "vector": "\ud800"}]}', 404,
+                       "no registered vector named"),
 }
 
 
@@ -366,8 +369,9 @@ def test_bad_spec_status(server, client, case, route, stream):
             "vllm_xargs": {"vllm_hook": raw}}
     body.update({"prompt": P2} if route == "completions" else {"messages": CHAT})
     path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
-    r = httpx.post(server.url + path, json=body, timeout=60,
-                   headers={"Authorization": f"Bearer {API_KEY}"})
+    # json.dumps escapes non-ASCII (a lone surrogate too), as JSON clients send it
+    r = httpx.post(server.url + path, content=json.dumps(body), timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and "Fix:" in err["message"] and err["code"] == status

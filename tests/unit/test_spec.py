@@ -383,8 +383,11 @@ def test_served_check_parses_a_spec_text_once_and_stays_bounded(monkeypatch):
             errors.check_served_spec(saving)
     with pytest.raises(SpecError, match="malformed JSON"):
         errors.check_served_spec("{")
+    # A lone surrogate (what a JSON "\ud800" escape decodes to) is hashed, not a crash; the
+    # name is judged at admission (an unknown vector).
+    errors.check_served_spec('{"steer": [{"op": "add", "layer": 0, "vector": "\ud800"}]}')
     for i in range(10):
         errors.check_served_spec(json.dumps({"capture": [{"layers": [i]}]}))
     assert len(errors._PASSED) == 4
     errors.check_served_spec(text)            # pushed out by the later ones: parsed again
-    assert len(parses) == 1 + 2 + 1 + 10 + 1
+    assert len(parses) == 1 + 2 + 1 + 1 + 10 + 1

@@ -41,7 +41,9 @@ PASSED_MAX = 1024
 
 def check_served_spec(raw: Any) -> None:
     """Shape checks that need no engine, plus what HTTP clients may not ask for."""
-    key = hashlib.blake2b(raw.encode(), digest_size=16).digest() if isinstance(raw, str) else None
+    # surrogatepass: a JSON "\ud800" escape decodes to a lone surrogate, which parse_spec judges
+    key = (hashlib.blake2b(raw.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+           if isinstance(raw, str) else None)
     if key is not None and key in _PASSED:
         _PASSED.move_to_end(key)
         return
