@@ -107,8 +107,10 @@ def spec_json(spec: Any) -> str:
     if isinstance(spec, HookSpec):
         spec = spec.model_dump(exclude_none=True)
     spec = dict(spec)
-    if spec.get("steer"):
-        spec["steer"] = [{**op, "vector": _wire_vector(op.get("vector"))} for op in spec["steer"]]
+    steer = spec.get("steer")
+    if steer and not all(isinstance(op.get("vector"), _AS_IS) for op in steer):
+        # (ops naming a registered vector, most of them, go as they are: no copy each)
+        spec["steer"] = [{**op, "vector": _wire_vector(op.get("vector"))} for op in steer]
     if spec.get("hooks"):
         spec["hooks"] = [wire_hook(h) for h in spec["hooks"]]
     return json.dumps(spec)
@@ -124,8 +126,11 @@ def wire_hook(h: Any) -> Any:
     return h
 
 
+_AS_IS = (str, dict, list, type(None))     # vector forms JSON carries as they are
+
+
 def _wire_vector(v: Any) -> Any:
-    if v is None or isinstance(v, (str, dict, list)):
+    if isinstance(v, _AS_IS):
         return v
     if isinstance(v, tuple):
         return list(v)
