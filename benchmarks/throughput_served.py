@@ -16,6 +16,9 @@ collector once set up (`gc.freeze`): a full collection of it took 70 to 100 ms o
 machine, about one batch in two whichever server it timed, as much as a 256-request batch's
 whole plugin cost on a GPU (`--no-gc-freeze` keeps it; the client's collector time per batch
 is reported either way).
+Each batch's CPU time is read from the server's processes (its API server; its engine core
+and workers) and the client's: the hooked batch's over the unhooked one's, per request, counts
+the plugin's work wherever and whenever it ran, which wall-clock ratios on a noisy host cannot.
 `--control` starts a second native server for the second native slot: its ratio to the first
 is the floor of what two servers on one machine differ by.
 The servers run at once (started one after another), each with its share of GPU memory, and
@@ -40,6 +43,7 @@ for p in (HERE, HERE.parent / "src", HERE.parent / "scripts"):
     sys.path.insert(0, str(p))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 
 from engine_worker import prompts  # noqa: E402
 from gpu_serve_check import Server, free_port, launch_command  # noqa: E402
@@ -102,7 +106,7 @@ def _on_gc(phase: str, info: dict) -> None:
 class Driver:
     """One server's client: a connection pool large enough for every request of a batch."""
 
-    def __init__(self, url: str, max_requests: int, client_limits: str = "none-kept"):
+    def __init__(self, url: str, max_requests: int, client_limits: str = "none-kept", pid: int | None = None):
         # No keep-alive: httpx's pool slows down as it fills with idle connections (encode/httpx
         # #3215). Reusing them, a batch of 128 took 2.8 s on the CI machine's tiny server against
         # 1.45 s on fresh connections and 0.8 s with none kept; on the H200 it is the likely cause
@@ -116,14 +120,32 @@ class Driver:
         self.client = AsyncClient(url, http=self.http)
         self.delivered = 0      # bytes of activations in the last batch's results
         self.gc_s = 0.0         # the client's seconds in Python's collector during the last batch
+        # CPU seconds of the last batch: the server's API process, its engine processes, this client
+        self.server = psutil.Process(pid) if pid is not None else None
+        self.cpu_s = (0.0, 0.0, 0.0)
+
+    def _cpu(self) -> tuple[float, float, float]:
+        if self.server is None:
+            return 0.0, 0.0, time.process_time()
+        api = self.server.cpu_times()
+        engine = 0.0
+        for p in self.server.children(recursive=True):
+            try:
+                c = p.cpu_times()
+                engine += c.user + c.system
+            except psutil.NoSuchProcess:
+                pass
+        return api.user + api.system, engine, time.process_time()
 
     async def batch(self, ps: list[list[int]], gen: int, specs: list) -> float:
         """Seconds from sending the first of `ps` to holding every response and its results."""
+        c0 = self._cpu()
         t, g = time.perf_counter(), GC_S[0]
         gens = await asyncio.gather(*(self.client.generate(p, s, max_tokens=gen, temperature=0.0, ignore_eos=True)
                                       for p, s in zip(ps, specs)))
         took = time.perf_counter() - t
         self.gc_s = GC_S[0] - g
+        self.cpu_s = tuple(b - a for a, b in zip(c0, self._cpu()))
         self.delivered = 0
         for g, s in zip(gens, specs):      # a failed op is an error in the results: none here
             if s is not None and (g.results is None or not g.results.ok):
@@ -159,6 +181,7 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
                                 (*second, plain), (then[0], "plugin", then[1])):
             row[key] = await drivers[server].batch(ps, gen, sp)
             row[key.replace("_s", "_gc_s")] = drivers[server].gc_s
+            row[key.replace("_s", "_cpu_s")] = drivers[server].cpu_s
             if key == "hooked_s":
                 row["delivered_bytes"] = drivers[server].delivered
         if "native_2_s" in row:          # without --control native runs twice a rep: their mean
@@ -173,6 +196,11 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
         if num in rows[0]:
             res[est] = median_ci([r[num] / r[den] for r in rows])
     res["client_gc_ms"] = [1e3 * median_ci([r[k] for r in rows])[0] for k in ("hooked_gc_s", "unhooked_gc_s")]
+    # CPU time the hooked batch took more than the unhooked one on the plugin server, per request:
+    # robust where wall-clock ratios are noise (the work is counted whenever it ran)
+    res["cpu_us_per_request"] = {
+        proc: median_ci([1e6 * (r["hooked_cpu_s"][i] - r["unhooked_cpu_s"][i]) / n for r in rows])
+        for i, proc in enumerate(("api_server", "engine", "client"))}
     res["requests_per_s_native"] = n / min(r["native_s"] for r in rows)
     # The bandwidth at which moving the results' bytes alone would take the hooked batch's extra time.
     res["delivered_mb"] = rows[0]["delivered_bytes"] / 1e6
@@ -204,6 +232,16 @@ def report(result: dict) -> str:
                      + (f"{1e3 * r['delivered_gb_per_extra_s']:.0f}" if r.get("delivered_gb_per_extra_s") else "–")
                      + f" | {verdict(r)} | "
                      + (f"{r['client_gc_ms'][0]:.1f} / {r['client_gc_ms'][1]:.1f} |" if "client_gc_ms" in r else "– |"))
+    lines += ["", "CPU time per request, the hooked batch's over the unhooked one's on the plugin server (µs, "
+              "median [95 % interval] over reps; from the processes' CPU clocks, whenever the work ran):", "",
+              "| workload | requests | prompt + generated | API server | engine core and workers | client |",
+              "|---|---|---|---|---|---|"]
+    for r in result.get("cases", []):
+        c = r.get("cpu_us_per_request")
+        if c:
+            lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | "
+                         + " | ".join(f"{c[k][0]:.0f} [{c[k][1]:.0f}, {c[k][2]:.0f}]"
+                                      for k in ("api_server", "engine", "client")) + " |")
     lines += ["", "Plugin server's host time per hooked request by stage (µs, from its counters):", "",
               "| workload | requests | gen | " + " | ".join(SERVED_STAGES.values()) + " |",
               "|---|---|---|" + "---|" * len(SERVED_STAGES)]
@@ -219,7 +257,7 @@ async def bench(args, model: str, cfg: dict, result: Record) -> None:
     drivers = {}
     try:
         n_max = max(int(b.split("x")[0]) for b in args.batches)
-        drivers = {name: Driver(s.url, n_max, args.client_limits) for name, s in servers.items()}
+        drivers = {name: Driver(s.url, n_max, args.client_limits, s.proc.pid) for name, s in servers.items()}
         import torch
 
         await drivers["plugin"].client.register_vectors({VECTOR: torch.randn(cfg["hidden_size"])})

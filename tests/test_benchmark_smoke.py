@@ -79,12 +79,16 @@ def test_served_throughput_benchmark_smoke(tmp_path, engines):
     r = json.loads((out / "results.json").read_text())
     assert [c["workload"] for c in r["cases"]] == ["unused", "mixed_thirds"]
     for c in r["cases"]:
-        assert all(set(x) == {"native_s", "hooked_s", "unhooked_s", "delivered_bytes"} for x in c["reps"]), c["reps"]
+        for x in c["reps"]:      # each batch's time, the client's collector time and CPU times
+            assert {"native_s", "hooked_s", "unhooked_s", "delivered_bytes", "hooked_gc_s",
+                    "unhooked_gc_s"} <= set(x) and len(x["hooked_cpu_s"]) == 3, x
+        assert set(c["cpu_us_per_request"]) == {"api_server", "engine", "client"}
     # 8 requests x 16 + 4 tokens: the all-token third's 4 layers of 128 floats, counted client-side
     assert r["cases"][0]["delivered_mb"] == 0 and r["cases"][1]["delivered_mb"] > 0
     mixed = r["cases"][1]["host_us_per_request"]
     assert mixed["admission (parse, resolve)"] > 0 and mixed["encode (safetensors; inline or a handle)"] > 0
-    assert "| mixed_thirds | 8 | 16 + 4 |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| mixed_thirds | 8 | 16 + 4 |" in report and "| API server | engine core and workers | client |" in report
 
 
 def test_host_cost_microbenchmark_smoke(tmp_path):
