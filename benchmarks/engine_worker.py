@@ -8,13 +8,14 @@ own log lines go to the same stream; the coordinator parses start-up figures fro
 
 from __future__ import annotations
 
-import gc
 import itertools
 import json
 import os
 import statistics
 import sys
 import time
+
+from gc_clock import GcClock
 
 
 def reply(obj) -> None:
@@ -95,15 +96,8 @@ def main() -> None:
         return out
 
     core.get_output = timed_get_output
-    gc_s = [0.0, 0.0, 0.0]      # seconds in Python's cyclic collector: total, current start, last run's
-
-    def on_gc(phase, info):
-        if phase == "start":
-            gc_s[1] = time.perf_counter()
-        else:
-            gc_s[0] += time.perf_counter() - gc_s[1]
-
-    gc.callbacks.append(on_gc)
+    clock = GcClock()
+    gc_s = [0.0]                # seconds in Python's cyclic collector during the last run
 
     def run(cmd):
         n, plen, gen = cmd["n"], cmd["prompt_len"], cmd["max_tokens"]
@@ -115,7 +109,7 @@ def main() -> None:
             sps = sps[0]        # one SamplingParams (one spec object) for every prompt, as users pass it
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         steps.clear()
-        t, g = time.perf_counter(), gc_s[0]
+        t, g = time.perf_counter(), clock.total
         if cmd.get("late_fetch") and hook:
             # the fetch sent after the call returns, as before `frontend.delivery.send_early`
             from vllm_hook.adapters import frontend as adapter
@@ -132,7 +126,7 @@ def main() -> None:
                     for per_layer in hook.results(o).activations.values():
                         nbytes += sum(x.numel() * elt for x in per_layer.values())  # as captured
         dt = time.perf_counter() - t
-        gc_s[2] = gc_s[0] - g
+        gc_s[0] = clock.total - g
         return outs, dt, nbytes
 
     def decode_tpot(outs) -> float | None:
@@ -188,7 +182,7 @@ def main() -> None:
                     # 16 timed cached native prefills against recomputed captures).
                     outs, dt, nbytes = run({**cmd, "seed": 1 + next(fresh)})
                     times.append(dt)
-                    gcs.append(gc_s[2])
+                    gcs.append(gc_s[0])
                     tpots.append(decode_tpot(outs))
                     med, pct = step_tpot()
                     step_tpots.append(med)

@@ -46,6 +46,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from engine_worker import prompts  # noqa: E402
+from gc_clock import GcClock  # noqa: E402
 from gpu_serve_check import Server, free_port, launch_command  # noqa: E402
 from pool import median_ci  # noqa: E402
 from run import Record, bench_parser, run_meta, workloads  # noqa: E402
@@ -93,14 +94,7 @@ def start_servers(args, model: str, out: Path) -> dict[str, Server]:
     return servers
 
 
-GC_S = [0.0, 0.0]    # seconds in the client's cyclic collector (total), the current one's start
-
-
-def _on_gc(phase: str, info: dict) -> None:
-    if phase == "start":
-        GC_S[1] = time.perf_counter()
-    else:
-        GC_S[0] += time.perf_counter() - GC_S[1]
+GC = GcClock()       # the client's seconds in Python's cyclic collector
 
 
 class Driver:
@@ -140,11 +134,11 @@ class Driver:
     async def batch(self, ps: list[list[int]], gen: int, specs: list) -> float:
         """Seconds from sending the first of `ps` to holding every response and its results."""
         c0 = self._cpu()
-        t, g = time.perf_counter(), GC_S[0]
+        t, g = time.perf_counter(), GC.total
         gens = await asyncio.gather(*(self.client.generate(p, s, max_tokens=gen, temperature=0.0, ignore_eos=True)
                                       for p, s in zip(ps, specs)))
         took = time.perf_counter() - t
-        self.gc_s = GC_S[0] - g
+        self.gc_s = GC.total - g
         self.cpu_s = tuple(b - a for a, b in zip(c0, self._cpu()))
         self.delivered = 0
         for g, s in zip(gens, specs):      # a failed op is an error in the results: none here
@@ -261,7 +255,6 @@ async def bench(args, model: str, cfg: dict, result: Record) -> None:
         import torch
 
         await drivers["plugin"].client.register_vectors({VECTOR: torch.randn(cfg["hidden_size"])})
-        gc.callbacks.append(_on_gc)
         if not args.no_gc_freeze:
             gc.collect()
             gc.freeze()
