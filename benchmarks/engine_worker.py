@@ -15,8 +15,6 @@ import statistics
 import sys
 import time
 
-from gc_clock import GcClock
-
 
 def reply(obj) -> None:
     sys.stdout.write("@@ " + json.dumps(obj) + "\n")
@@ -96,7 +94,9 @@ def main() -> None:
         return out
 
     core.get_output = timed_get_output
-    clock = GcClock()
+    from vllm_hook.gc_clock import process_clock   # after start-up: a native engine's plugin is off
+
+    clock = process_clock()
     gc_s = [0.0]                # seconds in Python's cyclic collector during the last run
 
     def run(cmd):

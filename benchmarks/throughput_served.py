@@ -46,7 +46,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from engine_worker import prompts  # noqa: E402
-from gc_clock import GcClock  # noqa: E402
+from vllm_hook.gc_clock import process_clock  # noqa: E402
 from gpu_serve_check import Server, free_port, launch_command  # noqa: E402
 from pool import median_ci  # noqa: E402
 from run import Record, bench_parser, run_meta, workloads  # noqa: E402
@@ -94,7 +94,7 @@ def start_servers(args, model: str, out: Path) -> dict[str, Server]:
     return servers
 
 
-GC = GcClock()       # the client's seconds in Python's cyclic collector
+GC = process_clock()     # the client's seconds in Python's cyclic collector
 
 
 class Driver:
@@ -173,7 +173,12 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
         row = {}
         for key, server, sp in (("native_s", "native", plain), (first[0], "plugin", first[1]),
                                 (*second, plain), (then[0], "plugin", then[1])):
+            g0 = await counters(drivers[server]) if server == "plugin" else None
             row[key] = await drivers[server].batch(ps, gen, sp)
+            if g0 is not None:       # the plugin server's collector: its API process, rank 0's
+                g1 = await counters(drivers[server])
+                row[key.replace("_s", "_server_gc_s")] = [g1.get(k, 0) - g0.get(k, 0)
+                                                          for k in ("frontend.gc_s", "worker.gc_s")]
             row[key.replace("_s", "_gc_s")] = drivers[server].gc_s
             row[key.replace("_s", "_cpu_s")] = drivers[server].cpu_s
             if key == "hooked_s":
@@ -192,6 +197,8 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
     res["client_gc_ms"] = [1e3 * median_ci([r[k] for r in rows])[0] for k in ("hooked_gc_s", "unhooked_gc_s")]
     # CPU time the hooked batch took more than the unhooked one on the plugin server, per request:
     # robust where wall-clock ratios are noise (the work is counted whenever it ran)
+    res["server_gc_ms"] = {proc: [1e3 * median_ci([r[k][i] for r in rows])[0] for k in ("hooked_server_gc_s", "unhooked_server_gc_s")]
+                           for i, proc in enumerate(("api_server", "engine"))}
     res["cpu_us_per_request"] = {
         proc: median_ci([1e6 * (r["hooked_cpu_s"][i] - r["unhooked_cpu_s"][i]) / n for r in rows])
         for i, proc in enumerate(("api_server", "engine", "client"))}
@@ -228,14 +235,17 @@ def report(result: dict) -> str:
                      + (f"{r['client_gc_ms'][0]:.1f} / {r['client_gc_ms'][1]:.1f} |" if "client_gc_ms" in r else "– |"))
     lines += ["", "CPU time per request, the hooked batch's over the unhooked one's on the plugin server (µs, "
               "median [95 % interval] over reps; from the processes' CPU clocks, whenever the work ran):", "",
-              "| workload | requests | prompt + generated | API server | engine core and workers | client |",
-              "|---|---|---|---|---|---|"]
+              "| workload | requests | prompt + generated | API server | engine core and workers | client "
+              "| collector a batch, ms, hooked / unhooked: API server; rank 0's process |",
+              "|---|---|---|---|---|---|---|"]
     for r in result.get("cases", []):
         c = r.get("cpu_us_per_request")
         if c:
             lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | "
                          + " | ".join(f"{c[k][0]:.0f} [{c[k][1]:.0f}, {c[k][2]:.0f}]"
-                                      for k in ("api_server", "engine", "client")) + " |")
+                                      for k in ("api_server", "engine", "client")) + " | "
+                         + ("; ".join(f"{g[0]:.1f} / {g[1]:.1f}" for g in r["server_gc_ms"].values())
+                            if "server_gc_ms" in r else "–") + " |")
     lines += ["", "Plugin server's host time per hooked request by stage (µs, from its counters):", "",
               "| workload | requests | gen | " + " | ".join(SERVED_STAGES.values()) + " |",
               "|---|---|---|" + "---|" * len(SERVED_STAGES)]

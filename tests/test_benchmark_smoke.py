@@ -83,12 +83,15 @@ def test_served_throughput_benchmark_smoke(tmp_path, engines):
             assert {"native_s", "hooked_s", "unhooked_s", "delivered_bytes", "hooked_gc_s",
                     "unhooked_gc_s"} <= set(x) and len(x["hooked_cpu_s"]) == 3, x
         assert set(c["cpu_us_per_request"]) == {"api_server", "engine", "client"}
+        # the plugin server's collector a batch (its counters, `gc_s`): API process, rank 0's
+        assert all(len(x["hooked_server_gc_s"]) == 2 for x in c["reps"]) and set(c["server_gc_ms"]) == {
+            "api_server", "engine"}
     # 8 requests x 16 + 4 tokens: the all-token third's 4 layers of 128 floats, counted client-side
     assert r["cases"][0]["delivered_mb"] == 0 and r["cases"][1]["delivered_mb"] > 0
     mixed = r["cases"][1]["host_us_per_request"]
     assert mixed["admission (parse, resolve)"] > 0 and mixed["encode (safetensors; inline or a handle)"] > 0
     report = (out / "report.md").read_text()
-    assert "| mixed_thirds | 8 | 16 + 4 |" in report and "| API server | engine core and workers | client |" in report
+    assert "| mixed_thirds | 8 | 16 + 4 |" in report and "| API server | engine core and workers | client | collector" in report
 
 
 def test_host_cost_microbenchmark_smoke(tmp_path):

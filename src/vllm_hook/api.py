@@ -28,9 +28,10 @@ def stats(llm: Any) -> dict:
     """Worker-side counters of rank 0 (admitted requests, retained bytes, table use, seconds
     spent in fetches, ...), and under "frontend" this process's delivery timing (seconds in
     the fetch RPC, reading results, building `Results`, summed; fetches, and steering-only
-    requests delivered without one, counted)."""
+    requests delivered without one, counted; and the process's seconds in Python's collector,
+    `gc_s`, as under rank 0's "timing" for its own)."""
     out = dict(checked(llm.collective_rpc(RPC, args=("stats",)))[0])
-    out["frontend"] = dict(_state(llm).timing)
+    out["frontend"] = _state(llm).counters()
     return out
 
 

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from ..adapters.requests import engine_facts
 from ..config import HookConfig
+from ..gc_clock import process_clock
 from ..model.layout import PointTable
 from ..spec.resolve import ModelInfo, Resolved
 from .cache import ResolvedCache
@@ -53,6 +54,13 @@ class FrontendState:
     # Tickets: a random prefix (several frontends of one engine never share a tag) and a count.
     _tickets: Iterator[int] = field(default_factory=lambda: itertools.count(
         (secrets.randbits(30) + 1) << 32 | 1))
+
+    def __post_init__(self) -> None:
+        process_clock()          # counting from the engine's start
+
+    def counters(self) -> dict[str, float]:
+        """The delivery timing, and this process's seconds in Python's collector."""
+        return {**self.timing, **process_clock().counters()}
 
     def capture_limit(self) -> int:
         """max_capture_bytes_per_request, its default read from the host once (admission checks

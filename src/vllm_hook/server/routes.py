@@ -78,7 +78,7 @@ async def health(request: Request):
         "num_layers": sv.frontend.info.num_layers,
         "hidden_size": sv.frontend.info.hidden_size,
         "sites": list(cfg.sites),
-        "frontend": dict(sv.frontend.timing),
+        "frontend": sv.frontend.counters(),
         "retained_results": {"count": st.count, "bytes": st.bytes, "max_bytes": st.max_bytes,
                              "ttl_s": st.ttl_s, "dropped": st.dropped},
         "pending_requests": len(sv.frontend.pending),

@@ -21,6 +21,7 @@ from ..delivery.hostmem import one_thread, upload
 from ..delivery.spill import sweep_spilled
 from ..delivery.nogc import no_gc
 from ..delivery.store import Budget, RequestStore, batch_to_wire
+from ..gc_clock import process_clock
 from ..hooks.state import StateError, encode, encode_collected
 from ..model.buffers import HookBuffers, cap_points, pack_op
 from ..model.layout import POOL_Q, POOL_RESID, TRASH_ROWS, PointTable
@@ -221,6 +222,7 @@ class HookRuntime:
         # admits and finishes requests (once per request, not per step).
         self.timing = dict.fromkeys(("fetches", "fetch_s", "write_s", "hooked_steps", "step_host_s",
                                      "events_s", "repeated_steps", "repeated_s", "drain_s", "captures_dropped"), 0.0)
+        process_clock()          # this process's seconds in Python's collector, from now on
         if cfg.result_spill_dir:
             sweep_spilled(cfg.result_spill_dir, max_age_s=cfg.result_ttl_s)
 
@@ -869,7 +871,8 @@ class HookRuntime:
             "persistent_hook_results": len(self.hooks.persistent_results) if self.hooks else 0,
             "timing": {**self.timing, **(self.hooks.timing if self.hooks else {}),
                        # the host waiting for the device's copies: routing arrays, captured rows
-                       "wait_staging_s": self.staging.wait_s, "wait_copies_s": self.collector.wait_s},
+                       "wait_staging_s": self.staging.wait_s, "wait_copies_s": self.collector.wait_s,
+                       **process_clock().counters()},
             "torch_threads": torch.get_num_threads(),     # host ops' parallelism on this worker
             **(self.collector.arena.stats() if self.collector.arena is not None else {}),
         }
