@@ -143,7 +143,7 @@ async def profile(args, engine, out: Path) -> list[str]:
             for variant, sp in (("hooked", specs), ("unhooked", None)):
                 spies = []
                 for proc, pid in family(engine.pid).items():
-                    f = out / f"{b}-{name}-{variant}-{proc}.txt"
+                    f = out / f"{b.replace('+', 'p')}-{name}-{variant}-{proc}.txt"
                     files[(variant, proc)] = f
                     spies.append(subprocess.Popen(
                         [args.py_spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw",
