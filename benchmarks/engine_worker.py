@@ -94,7 +94,7 @@ def main() -> None:
         return out
 
     core.get_output = timed_get_output
-    from vllm_hook.gc_clock import process_clock   # after start-up: a native engine's plugin is off
+    from vllm_hook.gc_clock import process_clock   # (importing the package patches nothing in vLLM)
 
     clock = process_clock()
     gc_s = [0.0]                # seconds in Python's cyclic collector during the last run

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import itertools
 import json
 import re
 import shutil
@@ -38,6 +39,7 @@ from run import workloads  # noqa: E402
 from throughput_served import KEY, VECTOR, Driver, server_args  # noqa: E402
 
 TOP = 30
+FRESH = itertools.count(1)
 
 
 def frames(path: Path) -> tuple[collections.Counter, int]:
@@ -66,8 +68,13 @@ def grown(hooked: Path, unhooked: Path, per_sample_us: float) -> list[tuple[floa
 
 def family(pid: int) -> dict[str, int]:
     """The frontend's process and its engine processes (children, recursively)."""
-    kids = [c.pid for c in psutil.Process(pid).children(recursive=True)
-            if "python" in (c.cmdline()[:1] or [""])[0].lower() or "VLLM" in c.name() or "Engine" in c.name()]
+    kids = []
+    for c in psutil.Process(pid).children(recursive=True):
+        try:
+            if "python" in (c.cmdline()[:1] or [""])[0].lower() or "VLLM" in c.name() or "Engine" in c.name():
+                kids.append(c.pid)
+        except psutil.Error:             # gone, or not ours to read
+            pass
     return {"frontend": pid, **{f"engine{i}": k for i, k in enumerate(kids)}}
 
 
@@ -117,9 +124,11 @@ class Served:
         await self.driver.client.register_vectors({VECTOR: torch.randn(self.cfg["hidden_size"])})
 
     async def batches(self, n, plen, gen, specs, reps, seed) -> list[float]:
-        return [await self.driver.batch(prompts(n, plen, self.cfg["vocab_size"], seed=seed + r,
+        # Prompts new to the server every batch: a repeat would read the prefix cache
+        # (`seed` is the offline worker's; it draws fresh prompts itself).
+        return [await self.driver.batch(prompts(n, plen, self.cfg["vocab_size"], seed=next(FRESH),
                                                 varied=self.args.varied_lengths), gen, specs or [None] * n)
-                for r in range(reps)]
+                for _ in range(reps)]
 
     async def close(self) -> None:
         if self.driver is not None:

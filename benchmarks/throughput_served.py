@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import json
 import sys
 import time
@@ -94,6 +95,7 @@ def start_servers(args, model: str, out: Path) -> dict[str, Server]:
     return servers
 
 
+FRESH = itertools.count(1)   # a seed per batch: every batch's prompts are new to every server
 GC = process_clock()     # the client's seconds in Python's cyclic collector
 
 
@@ -166,7 +168,6 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
     before = await counters(drivers["plugin"])
     second = ("native_b_s", "native_b") if "native_b" in drivers else ("native_2_s", "native")
     for rep in range(reps):
-        ps = prompts(n, plen, vocab, seed=1000 * rep + n)
         first, then = [("hooked_s", specs), ("unhooked_s", plain)][::1 if rep % 2 == 0 else -1]
         # No server serves two batches in a row: on the H200 a server's batch right after its
         # own previous one took 1.4 to 1.8x as long, native's and the plugin's alike (run 80).
@@ -174,6 +175,10 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
         for key, server, sp in (("native_s", "native", plain), (first[0], "plugin", first[1]),
                                 (*second, plain), (then[0], "plugin", then[1])):
             g0 = await counters(drivers[server]) if server == "plugin" else None
+            # Prompts no server has seen: a batch repeating another's would read the prefix
+            # cache that one wrote (steering's salt keeps its own out; a capture's and an
+            # unhooked batch's would not), and the rep's second batch on a server would gain.
+            ps = prompts(n, plen, vocab, seed=next(FRESH))
             row[key] = await drivers[server].batch(ps, gen, sp)
             if g0 is not None:       # the plugin server's collector: its API process, rank 0's
                 g1 = await counters(drivers[server])

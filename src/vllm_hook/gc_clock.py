@@ -8,6 +8,7 @@ wherever an allocation happens to trigger it, and no stage counts it.
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 
@@ -20,6 +21,11 @@ class GcClock:
         self.full = 0               # of the oldest generation
         self._start = 0.0
         gc.callbacks.append(self._on)
+        # A forked child (vLLM's workers, where forked) counts its own time from zero.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self.total, self.collections, self.full = 0.0, 0, 0
 
     def _on(self, phase: str, info: dict) -> None:
         if phase == "start":
