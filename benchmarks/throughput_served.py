@@ -200,10 +200,11 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
         if num in rows[0]:
             res[est] = median_ci([r[num] / r[den] for r in rows])
     res["client_gc_ms"] = [1e3 * median_ci([r[k] for r in rows])[0] for k in ("hooked_gc_s", "unhooked_gc_s")]
-    # CPU time the hooked batch took more than the unhooked one on the plugin server, per request:
-    # robust where wall-clock ratios are noise (the work is counted whenever it ran)
+    # The plugin server's collector a batch, ms (hooked, unhooked): its API process, rank 0's
     res["server_gc_ms"] = {proc: [1e3 * median_ci([r[k][i] for r in rows])[0] for k in ("hooked_server_gc_s", "unhooked_server_gc_s")]
                            for i, proc in enumerate(("api_server", "engine"))}
+    # CPU time the hooked batch took more than the unhooked one on the plugin server, per request:
+    # robust where wall-clock ratios are noise (the work is counted whenever it ran)
     res["cpu_us_per_request"] = {
         proc: median_ci([1e6 * (r["hooked_cpu_s"][i] - r["unhooked_cpu_s"][i]) / n for r in rows])
         for i, proc in enumerate(("api_server", "engine", "client"))}
