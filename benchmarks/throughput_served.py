@@ -10,7 +10,8 @@ response's results decoded (`Generation.results`): what a served user waits for.
 native, plugin, native, plugin: the native server (`VLLM_HOOK_DISABLE=1`) twice, its mean
 taken, and the plugin server with the workload's specs and without, hooked first on even reps,
 unhooked first on odd ones, so that no server serves two batches in a row (that batch is slower
-whichever server it is). The in-engine ratio is hooked over unhooked on one server.
+whichever server it is). Every batch has prompts of its own: a repeat would read the prefix
+cache an earlier batch wrote. The in-engine ratio is hooked over unhooked on one server.
 The client process's heap (torch, httpx, the benchmark) is frozen out of Python's cyclic
 collector once set up (`gc.freeze`): a full collection of it took 70 to 100 ms on the CI
 machine, about one batch in two whichever server it timed, as much as a 256-request batch's
