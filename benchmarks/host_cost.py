@@ -8,8 +8,9 @@ worker's admission and finish (`HookRuntime.on_events`) and the delivery of a sm
 `Results` build apart), `--rounds` batches through one worker (medians reported), for a batch of
 `--requests` requests on a 28-layer, 1536-wide model; with `--served`, also what a served
 response adds: the server's encoding of each request's results (`server.encode`) and the
-client's `Results.from_bytes`, for results built in float32 (as offline) and in the model's
-dtype, widened where loaded (as served). Prints microseconds per request.
+client's decoding (`Results.from_bytes`; a steering-only result from its choice's tokens), for
+results built in float32 (as offline) and in the model's dtype, widened where loaded (as
+served). Prints microseconds per request.
 A smoke test runs it in CI; the figures of record are the GPU's (benchmarks/throughput.py).
 """
 
@@ -30,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView  # noqa: E402
-from vllm_hook.client import _inline  # noqa: E402
+from vllm_hook.client import _decode, _inline  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
 from vllm_hook.delivery.arena import FRONTEND as ARENAS  # noqa: E402
 from vllm_hook.delivery.spill import open_entry, spill_target, write_spilled  # noqa: E402
@@ -40,7 +41,7 @@ from vllm_hook.frontend.delivery import Opened, _attach_all, merge_ranks, no_gc,
 from vllm_hook.frontend.state import STATE_ATTR, FrontendState  # noqa: E402
 from vllm_hook.model.buffers import BufferShape, HookBuffers  # noqa: E402
 from vllm_hook.model.layout import PointTable  # noqa: E402
-from vllm_hook.results import ATTR, Results, build  # noqa: E402
+from vllm_hook.results import ATTR, build  # noqa: E402
 from vllm_hook.server import encode  # noqa: E402
 from vllm_hook.server.store import ResultStore  # noqa: E402
 from vllm_hook.spec import ModelInfo  # noqa: E402
@@ -137,11 +138,13 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
             built.append(r)
         t_build = time.perf_counter() - t
         t = time.perf_counter()
-        entries = [encode.encode_one(r, 0, store, cfg) for r in built]
+        # The response shows each choice's token ids (`return_token_ids`, as the clients ask).
+        entries = [encode.encode_one(r, 0, store, cfg, {0: P + len(gen)}) for r in built]
         t_enc = time.perf_counter() - t
         t = time.perf_counter()          # the client's: inline base64 decoded, or by handle
+        response = {"choices": [{"index": 0, "prompt_token_ids": list(range(P)), "token_ids": gen}]}
         for e in entries:
-            Results.from_bytes(_inline(e) or store.pop(e["handle"]))
+            _decode(e, _inline(e) or (store.pop(e["handle"]) if e["handle"] else None), response)
         t_dec = time.perf_counter() - t
         out.update({f"served_read_build_{label}_us": 1e6 * t_build / len(keys),
                     f"served_encode_{label}_us": 1e6 * t_enc / len(keys),

@@ -9,6 +9,7 @@ bad specs get 400/404/413 and the server keeps serving; retained results stay bo
 from __future__ import annotations
 
 import asyncio
+import base64
 import glob
 import json
 import math
@@ -292,6 +293,29 @@ def test_steering_only_requests_need_no_fetch(server, client, refs):
         assert out.token_ids == tokens and out.results.ok and out.results.token_ids == ids + tokens
     assert after["fetches"] == before["fetches"]
     assert after["delivered_without_fetch"] == before["delivered_without_fetch"] + 3
+    # Nothing but tokens, which the choice carries (the clients ask for token ids): no
+    # safetensors in the entry, and the client builds the same Results from the choice.
+    entry = outs[0].raw["vllm_hook"]["results"][0]
+    assert entry["format"] == "tokens" and entry["data"] is None and entry["errors"] == []
+    r = outs[0].results
+    assert r.prompt_len == len(ids) and r.request_id and r.model and r.index == 0 and not r.activations
+    # A caller that does not ask for token ids gets them in safetensors, as before.
+    body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": n, "temperature": 0,
+            "vllm_xargs": {"vllm_hook": json.dumps({"steer": spec["steer"]})}}
+    raw = httpx.post(f"{server.url}/v1/completions", json=body,
+                     headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    (e,) = raw["vllm_hook"]["results"]
+    assert e["format"] == "safetensors" and e["data"]
+    assert vllm_hook.Results.from_bytes(base64.b64decode(e["data"])).token_ids == ids + tokens
+    # openai objects, chat (whose prompt ids are the response's, not the choice's)
+    openai = pytest.importorskip("openai")
+    oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    resp = oc.chat.completions.create(
+        model=tiny_model("qwen2"), messages=CHAT, max_tokens=3, temperature=0,
+        extra_body={"vllm_xargs": {"vllm_hook": json.dumps({"steer": spec["steer"]})}, "return_token_ids": True})
+    (got,) = client.results_of(resp)
+    assert resp.model_extra["vllm_hook"]["results"][0]["format"] == "tokens"
+    assert got.ok and got.token_ids == resp.prompt_token_ids + resp.choices[0].token_ids
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])

@@ -25,6 +25,7 @@ import pybase64
 from .hooks.hook import Hook
 from .hooks.state import decode_collected
 from .results import Results
+from .server.encode import TOKENS
 from .spec.errors import SpecError, UnknownVectorError
 from .spec.schema import SPEC_KEY, HookSpec
 from .spec.vectors import encode_vector
@@ -187,7 +188,33 @@ def _fetch_path(handle: str) -> str:
     return f"/v1/hook/results/{handle}?delete=true"
 
 
-def _decode(entry: dict, data: bytes | None) -> Results:
+def _field(obj: Any, key: str) -> Any:
+    """A field of a response part: a dict, or an `openai` object (extra fields included)."""
+    if isinstance(obj, Mapping):
+        return obj.get(key)
+    got = getattr(obj, key, None)
+    return got if got is not None else (getattr(obj, "model_extra", None) or {}).get(key)
+
+
+def _from_choice(entry: dict, response: Any) -> Results:
+    """A "tokens" entry's Results: nothing but tokens and errors, the tokens those its choice
+    in the response carries (the server sent no safetensors for them)."""
+    errors = list(entry.get("errors") or [])
+    choice = next((c for c in _field(response, "choices") or () if _field(c, "index") == entry["index"]), None)
+    prompt = _field(choice, "prompt_token_ids") if choice is not None else None
+    prompt = _field(response, "prompt_token_ids") if prompt is None else prompt
+    gen = _field(choice, "token_ids") if choice is not None else None
+    if prompt is None or gen is None:
+        prompt, gen = prompt or [], gen or []
+        errors.append(f"the response carries no token ids for choice {entry['index']}")
+    meta = entry.get("meta") or {}
+    return Results(request_id=meta.get("request_id", ""), prompt_len=len(prompt), token_ids=[*prompt, *gen],
+                   index=meta.get("index", 0), model=meta.get("model", ""), errors=errors)
+
+
+def _decode(entry: dict, data: bytes | None, response: Any = None) -> Results:
+    if entry.get("format") == TOKENS:
+        return _from_choice(entry, response)
     if data is None:
         return Results(request_id="", prompt_len=0, token_ids=[], index=entry.get("index", 0),
                        errors=list(entry.get("errors") or ["no result data"]))
@@ -361,7 +388,7 @@ class Client:
             data = _inline(e)
             if data is None and e.get("handle"):
                 data = self._call("GET", _fetch_path(e["handle"])).content
-            out.append((e["index"], _decode(e, data)))
+            out.append((e["index"], _decode(e, data, response)))
         return out
 
     def register_vectors(self, vectors: Mapping[str, Any]) -> list[str]:
@@ -478,7 +505,7 @@ class AsyncClient:
             got = await asyncio.gather(*(self._call("GET", _fetch_path(entries[i]["handle"])) for i in fetch))
             for i, resp in zip(fetch, got):
                 datas[i] = resp.content
-        return [(e["index"], _decode(e, d)) for e, d in zip(entries, datas)]
+        return [(e["index"], _decode(e, d, response)) for e, d in zip(entries, datas)]
 
     async def register_vectors(self, vectors: Mapping[str, Any]) -> list[str]:
         body = {k: _wire_vector(v) for k, v in vectors.items()}

@@ -230,7 +230,21 @@ def _error(serving: Any, err: SpecError):
     return serving.create_error_response(str(err), err_type=err_type, status_code=HTTPStatus(status))
 
 
-async def _encode(serving: Any, sink: encode.Sink) -> dict:
+def _shown_tokens(response: Any) -> dict[int, int]:
+    """Choice index -> prompt + generated token ids a (non-streamed) completion or chat
+    response carries; choices without both are left out. Chat puts the prompt's at the top."""
+    top = getattr(response, "prompt_token_ids", None)
+    shown = {}
+    for c in getattr(response, "choices", None) or ():
+        prompt = getattr(c, "prompt_token_ids", None)
+        prompt = top if prompt is None else prompt
+        gen = getattr(c, "token_ids", None)
+        if prompt is not None and gen is not None:
+            shown[c.index] = len(prompt) + len(gen)
+    return shown
+
+
+async def _encode(serving: Any, sink: encode.Sink, shown: dict[int, int] | None = None) -> dict:
     sv = served_of(serving.engine_client)
     # Serialising large captures is CPU work: off the event loop, on one thread of our own (a
     # batch's large results queued in the default pool held back vLLM's own work there, and
@@ -239,10 +253,10 @@ async def _encode(serving: Any, sink: encode.Sink) -> dict:
     # while the loop runs, more than the encoding itself.
     t0 = time.perf_counter()
     if encode.nbytes(sink) < ENCODE_ON_LOOP_BELOW:
-        body = encode.payload(sink, sv.store, sv.frontend.cfg)
+        body = encode.payload(sink, sv.store, sv.frontend.cfg, shown)
     else:
         body = await asyncio.get_running_loop().run_in_executor(
-            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg)
+            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown)
     sv.frontend.timing["encode_s"] += time.perf_counter() - t0
     return body
 
@@ -342,7 +356,7 @@ def _create(orig):
             return result
         if hasattr(result, "model_dump"):
             # vLLM's response models allow extra fields: this one is serialised with the rest.
-            result.vllm_hook = await _encode(self, sink)
+            result.vllm_hook = await _encode(self, sink, _shown_tokens(result))
             return result
         raw_request = args[0] if args else kwargs.get("raw_request")
         return await _streaming(self, result, sink, raw_request)

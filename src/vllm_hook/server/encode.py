@@ -2,7 +2,9 @@
 
 A `Sink` gathers the `Results` of the engine requests one HTTP request makes (one per prompt;
 `n > 1` gives a list per prompt). The API-server patches fill it; `payload` turns it into
-the `"vllm_hook"` field: inline base64 safetensors when small enough, a handle otherwise.
+the `"vllm_hook"` field: inline base64 safetensors when small enough, a handle otherwise; a
+result with nothing but its tokens, whose choice in the response carries them
+(`return_token_ids`, as the plugin's clients ask), as those alone ("format": "tokens").
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..results import Results
 from .store import ResultStore
 
 FORMAT = "safetensors"
+TOKENS = "tokens"        # no tensors: the tokens are the response choice's (see `bare`)
 STREAM_OBJECT = "vllm_hook.results"
 
 _CURRENT: ContextVar["Sink | None"] = ContextVar("vllm_hook_sink", default=None)
@@ -59,7 +62,21 @@ def nbytes(sink: Sink) -> int:
                for per_layer in r.activations.values() for t in per_layer.values())
 
 
-def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig) -> dict[str, Any]:
+def bare(r: Results, shown: int | None) -> bool:
+    """Whether `r` is nothing but its tokens and errors, and its choice in the response shows
+    those tokens (`shown`: how many, prompt and generated): then its entry needs no
+    safetensors, the client builds the same Results from the choice (a steering-only request:
+    encoding and decoding them were most of what serving its results cost)."""
+    return (not r.activations and not r.hook_results and not r.heads
+            and shown == len(r.token_ids))
+
+
+def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
+               shown: dict[int, int] | None = None) -> dict[str, Any]:
+    if shown is not None and bare(r, shown.get(index)):
+        return {"index": index, "format": TOKENS, "bytes": 0, "data": None, "handle": None,
+                "errors": list(r.errors),
+                "meta": {"request_id": r.request_id, "index": r.index, "model": r.model}}
     data = r.to_bytes()
     entry = {"index": index, "format": FORMAT, "bytes": len(data), "data": None, "handle": None,
              "errors": list(r.errors)}
@@ -76,15 +93,18 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig) -> d
     return entry
 
 
-def payload(sink: Sink, store: ResultStore, cfg: HookConfig) -> dict[str, Any]:
-    """The `"vllm_hook"` field. `index` is the response's choice index (prompt * n + child)."""
+def payload(sink: Sink, store: ResultStore, cfg: HookConfig,
+            shown: dict[int, int] | None = None) -> dict[str, Any]:
+    """The `"vllm_hook"` field. `index` is the response's choice index (prompt * n + child).
+    `shown`: how many tokens (prompt and generated) the response shows for each choice index
+    (`adapters.server`); None: a stream, whose results event stands alone."""
     entries = []
     for slot, got in enumerate(sink.slots):
         if got is None:
             continue
         group = got if isinstance(got, list) else [got]
         for r in group:
-            entries.append(encode_one(r, slot * len(group) + r.index, store, cfg))
+            entries.append(encode_one(r, slot * len(group) + r.index, store, cfg, shown))
     return {"results": sorted(entries, key=lambda e: e["index"])}
 
 
