@@ -7,10 +7,10 @@ worker's admission and finish (`HookRuntime.on_events`) and the delivery of a sm
 (the worker's fetch into safetensors; the frontend's delivery as `attach` runs it, its read and
 `Results` build apart), `--rounds` batches through one worker (medians reported), for a batch of
 `--requests` requests on a 28-layer, 1536-wide model; with `--served`, also what a served
-response adds: the server's encoding of each request's results (`server.encode`) and the
-client's decoding (`Results.from_bytes`; a steering-only result from its choice's tokens), for
-results built in float32 (as offline) and in the model's dtype, widened where loaded (as
-served). Prints microseconds per request.
+response adds: the client's request body for the spec, the server's encoding of each
+request's results (`server.encode`) and the client's decoding (`Results.from_bytes`; a
+steering-only result from its choice's tokens), for results built in float32 (as offline) and
+in the model's dtype, widened where loaded (as served). Prints microseconds per request.
 A smoke test runs it in CI; the figures of record are the GPU's (benchmarks/throughput.py).
 """
 
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView  # noqa: E402
-from vllm_hook.client import _decode, _inline  # noqa: E402
+from vllm_hook.client import _body, _decode, _inline  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
 from vllm_hook.delivery.arena import FRONTEND as ARENAS  # noqa: E402
 from vllm_hook.delivery.spill import open_entry, spill_target, write_spilled  # noqa: E402
@@ -153,6 +153,20 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
     return out
 
 
+def client_spec_us(spec: dict, n: int) -> float:
+    """µs a request the client's request body costs more with `spec` than without (the JSON
+    httpx sends), one spec dict passed for every request of the batch, as a user passes it."""
+    sampling, prompt = {"max_tokens": 128, "temperature": 0.0}, list(range(P))
+
+    def per_request(s) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            json.dumps(_body({"model": "m", "prompt": prompt}, s, sampling))
+        return (time.perf_counter() - t) / n
+
+    return 1e6 * (per_request(spec) - per_request(None))
+
+
 def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: int, args, rnd: int) -> dict:
     """One batch of `n` requests of spec `name` through admission, routing, finish and
     delivery; µs per request by stage."""
@@ -215,6 +229,8 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
         if bad:
             raise SystemExit(f"{name}: requests {bad[:4]} got errors: {getattr(outputs[0], ATTR).errors}")
         served = served_cost(opened, fetched, keys, items if stored else [], st.points, gen, cfg) if args.served else {}
+    if args.served:
+        served["client_spec_us"] = client_spec_us(spec, n)
     return {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
             "frontend_admit_offline_us": 1e6 * offline, "frontend_admit_varied_lengths_us": 1e6 * varied,
             "worker_admit_us": 1e6 * t_admit, "worker_prefill_routing_us": 1e6 * t_route,
