@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView  # noqa: E402
-from vllm_hook.client import _body, _decode, _inline  # noqa: E402
+from vllm_hook.client import _body, _decode, _inline, _json_bytes  # noqa: E402
 from vllm_hook.config import HookConfig  # noqa: E402
 from vllm_hook.delivery.arena import FRONTEND as ARENAS  # noqa: E402
 from vllm_hook.delivery.spill import open_entry, spill_target, write_spilled  # noqa: E402
@@ -154,17 +154,18 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
 
 
 def client_spec_us(spec: dict, n: int) -> float:
-    """µs a request the client's request body costs more with `spec` than without (the JSON
-    httpx sends), one spec dict passed for every request of the batch, as a user passes it."""
+    """µs a request the client's request body costs more with `spec` than without (the JSON it
+    sends), each request with a spec dict of its own (as served benchmarks make them)."""
     sampling, prompt = {"max_tokens": 128, "temperature": 0.0}, list(range(P))
+    own = [json.loads(json.dumps(spec)) for _ in range(n)]
 
-    def per_request(s) -> float:
+    def per_request(specs) -> float:
         t = time.perf_counter()
-        for _ in range(n):
-            json.dumps(_body({"model": "m", "prompt": prompt}, s, sampling))
+        for s in specs:
+            _json_bytes(_body({"model": "m", "prompt": prompt}, s, sampling))
         return (time.perf_counter() - t) / n
 
-    return 1e6 * (per_request(spec) - per_request(None))
+    return 1e6 * (per_request(own) - per_request([None] * n))
 
 
 def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: int, args, rnd: int) -> dict:

@@ -19,23 +19,23 @@ def test_sync_and_async_clients_have_the_same_methods_as_documented():
     assert listed == sync, (sorted(sync - listed), sorted(listed - sync))
 
 
-def test_a_spec_dict_is_serialised_once_while_unchanged():
-    """`spec_json` keeps the text of a plain spec dict passed again (a batch sharing one spec);
-    one changed in place, or holding a tensor, is serialised anew."""
+def test_request_json_means_what_json_dumps_meant():
+    """The clients write request bodies and specs with msgspec; the server reads the same
+    values json.dumps gave, NaN included (msgspec writes null for it)."""
     import json
+    import math
 
     import torch
 
-    from vllm_hook.client import _TEXTS, spec_json
+    from vllm_hook.client import _json_bytes, spec_json
 
-    spec = {"steer": [{"op": "add", "layer": i, "vector": "v", "scale": 0.5} for i in range(4)]}
-    first = spec_json(spec)
-    assert spec_json(spec) is first and json.loads(first) == spec
-    spec["steer"][2]["scale"] = 2.0                      # changed in place: not the old text
-    assert json.loads(spec_json(spec))["steer"][2]["scale"] == 2.0
-    assert spec_json(dict(spec)) == spec_json(spec)      # an equal dict: the same text
-    t = {"steer": [{"op": "add", "layer": 0, "vector": torch.ones(3)}]}
-    assert json.loads(spec_json(t))["steer"][0]["vector"]["b64"] and _TEXTS.get(t) is None
-    for i in range(3 * _TEXTS.SIZE):                     # bounded
-        spec_json({"capture": [{"layers": [i]}]})
-    assert len(_TEXTS._by_id) <= _TEXTS.SIZE
+    spec = {"steer": [{"op": "add", "layer": i, "vector": "v", "scale": 0.1 * i} for i in range(4)],
+            "capture": [{"layers": [1, -1], "tokens": "last_prompt", "site": "résidu"}]}
+    assert json.loads(spec_json(spec)) == spec
+    body = {"prompt": [1, 2, 3], "temperature": 0.7, "vllm_xargs": {"vllm_hook": spec_json(spec)}}
+    assert json.loads(_json_bytes(body)) == body
+    nan = json.loads(spec_json({"steer": [{"op": "add", "layer": 0, "vector": "v", "scale": float("nan")}]}))
+    assert math.isnan(nan["steer"][0]["scale"])           # not null: the server names the NaN
+    assert json.loads(_json_bytes({"a": None, "b": [None]})) == {"a": None, "b": [None]}
+    t = json.loads(spec_json({"steer": [{"op": "add", "layer": 0, "vector": torch.ones(3)}]}))
+    assert t["steer"][0]["vector"]["b64"]
