@@ -355,8 +355,14 @@ def _create(orig):
         if type(result).__name__ == "ErrorResponse":
             return result
         if hasattr(result, "model_dump"):
-            # vLLM's response models allow extra fields: this one is serialised with the rest.
-            result.vllm_hook = await _encode(self, sink, _shown_tokens(result))
+            # vLLM's response models allow extra fields: this one is serialised with the rest
+            # (put in their dict directly: pydantic's __setattr__ is a few µs a request).
+            body = await _encode(self, sink, _shown_tokens(result))
+            extra = getattr(result, "__pydantic_extra__", None)
+            if isinstance(extra, dict):
+                extra["vllm_hook"] = body
+            else:
+                result.vllm_hook = body
             return result
         raw_request = args[0] if args else kwargs.get("raw_request")
         return await _streaming(self, result, sink, raw_request)

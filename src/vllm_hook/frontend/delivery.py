@@ -136,6 +136,11 @@ def results_for(st: FrontendState, output: Any, entries: list[dict], res,
     """The results of one finished request. `wire`: they are for a served response, where a
     float32 request's rows stay in the model's dtype and are widened where the client loads
     them (`Results.widen_to`)."""
+    if not entries:
+        # Nothing to read or convert (steering only): torch's thread count left as it is
+        # (two calls a request, served).
+        with no_gc():
+            return _results_for(st, output, entries, res, opened, wire)
     with no_gc(), one_thread():   # see _attach_all; small tensors: see hostmem.one_thread
         return _results_for(st, output, entries, res, opened, wire)
 
@@ -148,7 +153,7 @@ def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
     n = max(len(outs), 1)
     by_index: dict[int, list] = {}
     lost: dict[int, list[str]] = {}
-    opened = opened or Opened()
+    opened = opened or (Opened() if entries else None)
     t0 = time.perf_counter()
     for e in entries:
         i = child_index(e["req_id"], n)
