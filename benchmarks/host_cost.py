@@ -138,13 +138,14 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
             built.append(r)
         t_build = time.perf_counter() - t
         t = time.perf_counter()
-        # The response shows each choice's token ids (`return_token_ids`, as the clients ask).
-        entries = [encode.encode_one(r, 0, store, cfg, {0: P + len(gen)}) for r in built]
+        # The response shows each choice's token ids (`return_token_ids`), and the client reads
+        # "tokens" entries, as the plugin's clients do.
+        shown = {0: (list(range(P)), gen)}
+        entries = [encode.encode_one(r, 0, store, cfg, shown) for r in built]
         t_enc = time.perf_counter() - t
         t = time.perf_counter()          # the client's: inline base64 decoded, or by handle
-        response = {"choices": [{"index": 0, "prompt_token_ids": list(range(P)), "token_ids": gen}]}
         for e in entries:
-            _decode(e, _inline(e) or (store.pop(e["handle"]) if e["handle"] else None), response)
+            _decode(e, _inline(e) or (store.pop(e["handle"]) if e["handle"] else None), shown)
         t_dec = time.perf_counter() - t
         out.update({f"served_read_build_{label}_us": 1e6 * t_build / len(keys),
                     f"served_encode_{label}_us": 1e6 * t_enc / len(keys),

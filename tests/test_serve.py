@@ -293,26 +293,44 @@ def test_steering_only_requests_need_no_fetch(server, client, refs):
         assert out.token_ids == tokens and out.results.ok and out.results.token_ids == ids + tokens
     assert after["fetches"] == before["fetches"]
     assert after["delivered_without_fetch"] == before["delivered_without_fetch"] + 3
-    # Nothing but tokens, which the choice carries (the clients ask for token ids): no
-    # safetensors in the entry, and the client builds the same Results from the choice.
+    # Nothing but tokens, which the choice carries (the clients ask for token ids, and say
+    # they read such entries): no safetensors, and the client builds the same Results.
     entry = outs[0].raw["vllm_hook"]["results"][0]
     assert entry["format"] == "tokens" and entry["data"] is None and entry["errors"] == []
     r = outs[0].results
     assert r.prompt_len == len(ids) and r.request_id and r.model and r.index == 0 and not r.activations
-    # A caller that does not ask for token ids gets them in safetensors, as before.
-    body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": n, "temperature": 0,
-            "vllm_xargs": {"vllm_hook": json.dumps({"steer": spec["steer"]})}}
-    raw = httpx.post(f"{server.url}/v1/completions", json=body,
-                     headers={"Authorization": f"Bearer {API_KEY}"}).json()
-    (e,) = raw["vllm_hook"]["results"]
-    assert e["format"] == "safetensors" and e["data"]
-    assert vllm_hook.Results.from_bytes(base64.b64decode(e["data"])).token_ids == ids + tokens
+    steer = json.dumps({"steer": spec["steer"]})
+    head = {"Authorization": f"Bearer {API_KEY}"}
+    # Another client (an older one, or by hand) gets safetensors, token ids asked for or not.
+    for extra in ({}, {"return_token_ids": True}):
+        body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": n, "temperature": 0,
+                "vllm_xargs": {"vllm_hook": steer}, **extra}
+        (e,) = httpx.post(f"{server.url}/v1/completions", json=body, headers=head).json()["vllm_hook"]["results"]
+        assert e["format"] == "safetensors" and e["data"]
+        assert vllm_hook.Results.from_bytes(base64.b64decode(e["data"])).token_ids == ids + tokens
+    # Several prompts with n = 2: each entry names its choice, its meta the child; a stream
+    # stays safetensors (its results event stands alone).
+    body = {"model": tiny_model("qwen2"), "prompt": [ids, P3], "n": 2, "max_tokens": 3, "temperature": 1.0,
+            "seed": 5, "vllm_xargs": {"vllm_hook": steer}, "return_token_ids": True}
+    raw = httpx.post(f"{server.url}/v1/completions", json=body, headers={**head, "x-vllm-hook-accept": "tokens"}).json()
+    got = dict(vllm_hook.client._choices(raw))
+    assert [e["format"] for e in raw["vllm_hook"]["results"]] == ["tokens"] * 4
+    for i, res_ in enumerate(client.results_of(raw)):
+        prompt, gen = got[i]
+        assert res_.ok and res_.token_ids == prompt + gen and res_.index == i % 2 and prompt == (ids, P3)[i // 2]
+    events = [json.loads(line[5:]) for line in httpx.post(
+        f"{server.url}/v1/completions", json={**body, "stream": True},
+        headers={**head, "x-vllm-hook-accept": "tokens"}).text.splitlines()
+        if line.startswith("data:") and "[DONE]" not in line]
+    hook = [ev for ev in events if ev.get("object") == "vllm_hook.results"][0]
+    assert {e["format"] for e in hook["vllm_hook"]["results"]} == {"safetensors"}
     # openai objects, chat (whose prompt ids are the response's, not the choice's)
     openai = pytest.importorskip("openai")
     oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
     resp = oc.chat.completions.create(
         model=tiny_model("qwen2"), messages=CHAT, max_tokens=3, temperature=0,
-        extra_body={"vllm_xargs": {"vllm_hook": json.dumps({"steer": spec["steer"]})}, "return_token_ids": True})
+        extra_headers={"x-vllm-hook-accept": "tokens"},
+        extra_body={"vllm_xargs": {"vllm_hook": steer}, "return_token_ids": True})
     (got,) = client.results_of(resp)
     assert resp.model_extra["vllm_hook"]["results"][0]["format"] == "tokens"
     assert got.ok and got.token_ids == resp.prompt_token_ids + resp.choices[0].token_ids

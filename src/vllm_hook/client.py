@@ -26,7 +26,7 @@ import pybase64
 from .hooks.hook import Hook
 from .hooks.state import decode_collected
 from .results import Results
-from .server.encode import TOKENS
+from .server.encode import ACCEPT_HEADER, TOKENS
 from .spec.errors import SpecError, UnknownVectorError
 from .spec.schema import SPEC_KEY, HookSpec
 from .spec.vectors import encode_vector
@@ -115,32 +115,37 @@ def spec_json(spec: Any) -> str:
         spec["steer"] = [{**op, "vector": _wire_vector(op.get("vector"))} for op in steer]
     if spec.get("hooks"):
         spec["hooks"] = [wire_hook(h) for h in spec["hooks"]]
-    return _json_bytes(spec).decode()
+    # NaN allowed in a spec's text: the server refuses it with a message naming the op.
+    return _json_bytes(spec, allow_nan=True).decode()
 
 
 _ENCODER = msgspec.json.Encoder()
 
 
-def _json_bytes(obj: Any) -> bytes:
-    """JSON of a request body or spec: msgspec's (a 28-op spec in 3 µs on the CI machine,
-    json.dumps 23), else the standard library's where they differ: msgspec writes NaN and
-    infinities as null (json.dumps as NaN, which the server refuses with a message naming
-    them), and refuses what json.dumps may accept."""
+def _json_bytes(obj: Any, allow_nan: bool = False) -> bytes:
+    """JSON of a request body (as httpx's `json=` wrote it: NaN refused, raising ValueError)
+    or of a spec (`allow_nan`). By msgspec (the 28-op steering spec: 3 µs on the CI
+    machine, json.dumps 24); by the standard library where msgspec's output could differ:
+    it writes NaN and infinities as null, so any output with a null is written again. msgspec
+    also encodes bytes (as base64), sets and dates, which json.dumps refuses: `_body` refuses
+    a bytes prompt itself."""
     try:
         out = _ENCODER.encode(obj)
-    except (TypeError, ValueError, OverflowError):
+    except (TypeError, ValueError, OverflowError, RecursionError):
         out = None
     if out is None or b"null" in out:      # (real nulls are rare in a body: the slow way)
-        out = json.dumps(obj).encode()
+        out = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=allow_nan).encode()
     return out
 
 
-def _as_json(body: Any) -> dict:
-    """httpx arguments that send `body` as JSON (`_json_bytes`)."""
-    return {"content": _json_bytes(body), "headers": _JSON_HEADERS}
+def _as_json(body: Any, tokens: bool = False) -> dict:
+    """httpx arguments that send `body` as JSON (`_json_bytes`). `tokens`: a completion or
+    chat request, whose steering-only results may come as their choice's tokens."""
+    return {"content": _json_bytes(body), "headers": _TOKENS_HEADERS if tokens else _JSON_HEADERS}
 
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
+_TOKENS_HEADERS = {**_JSON_HEADERS, ACCEPT_HEADER: TOKENS}
 
 
 def _loads(resp: httpx.Response) -> Any:
@@ -171,6 +176,8 @@ def _wire_vector(v: Any) -> Any:
 
 
 def _body(base: dict, spec: Any, sampling: dict) -> dict:
+    if isinstance(base.get("prompt"), (bytes, bytearray)):
+        raise TypeError("prompt must be text or a list of token ids, not bytes")
     body = {**base, **sampling}
     body.setdefault("return_token_ids", True)
     if spec is not None:
@@ -228,14 +235,22 @@ def _field(obj: Any, key: str) -> Any:
     return got if got is not None else (getattr(obj, "model_extra", None) or {}).get(key)
 
 
-def _from_choice(entry: dict, response: Any) -> Results:
+def _choices(response: Any) -> dict[int, tuple[list | None, list | None]]:
+    """Choice index -> (prompt token ids, generated token ids) a response shows (chat: the
+    prompt's at the top), for "tokens" entries."""
+    top = _field(response, "prompt_token_ids")
+    out = {}
+    for c in _field(response, "choices") or ():
+        prompt = _field(c, "prompt_token_ids")
+        out[_field(c, "index")] = (top if prompt is None else prompt, _field(c, "token_ids"))
+    return out
+
+
+def _from_choice(entry: dict, choices: dict) -> Results:
     """A "tokens" entry's Results: nothing but tokens and errors, the tokens those its choice
     in the response carries (the server sent no safetensors for them)."""
     errors = list(entry.get("errors") or [])
-    choice = next((c for c in _field(response, "choices") or () if _field(c, "index") == entry["index"]), None)
-    prompt = _field(choice, "prompt_token_ids") if choice is not None else None
-    prompt = _field(response, "prompt_token_ids") if prompt is None else prompt
-    gen = _field(choice, "token_ids") if choice is not None else None
+    prompt, gen = choices.get(entry["index"], (None, None))
     if prompt is None or gen is None:
         prompt, gen = prompt or [], gen or []
         errors.append(f"the response carries no token ids for choice {entry['index']}")
@@ -244,9 +259,16 @@ def _from_choice(entry: dict, response: Any) -> Results:
                    index=meta.get("index", 0), model=meta.get("model", ""), errors=errors)
 
 
-def _decode(entry: dict, data: bytes | None, response: Any = None) -> Results:
+def _choices_for(entries: list[dict], response: Any) -> dict:
+    """`_choices(response)` where an entry needs them."""
+    return _choices(response) if any(e.get("format") == TOKENS for e in entries) else {}
+
+
+def _decode(entry: dict, data: bytes | None, choices: dict) -> Results:
+    """One entry's Results: its safetensors `data`, or (a "tokens" entry) its choice's tokens
+    (`_choices` of the response)."""
     if entry.get("format") == TOKENS:
-        return _from_choice(entry, response)
+        return _from_choice(entry, choices)
     if data is None:
         return Results(request_id="", prompt_len=0, token_ids=[], index=entry.get("index", 0),
                        errors=list(entry.get("errors") or ["no result data"]))
@@ -372,13 +394,13 @@ class Client:
         """`/v1/completions`. `prompt` is text or token ids; `sampling` are OpenAI/vLLM fields
         (max_tokens, temperature, n, seed, ...)."""
         body = _body({"model": self._model(), "prompt": prompt}, spec, sampling)
-        data = _loads(self._call("POST", "/v1/completions", **_as_json(body)))
+        data = _loads(self._call("POST", "/v1/completions", **_as_json(body, tokens=True)))
         return _generation(data, self._pairs(data), chat=False)
 
     def chat(self, messages: list[dict], spec: Any = None, **sampling) -> Generation:
         """`/v1/chat/completions`."""
         body = _body({"model": self._model(), "messages": messages}, spec, sampling)
-        data = _loads(self._call("POST", "/v1/chat/completions", **_as_json(body)))
+        data = _loads(self._call("POST", "/v1/chat/completions", **_as_json(body, tokens=True)))
         return _generation(data, self._pairs(data), chat=True)
 
     def stream(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Stream:
@@ -395,7 +417,7 @@ class Client:
         out = Stream(None, chat)
 
         def events():
-            with self._http.stream("POST", path, **_as_json(body)) as resp:
+            with self._http.stream("POST", path, **_as_json(body, tokens=True)) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     _raise_for(resp)
@@ -415,18 +437,19 @@ class Client:
         return [r for _, r in self._pairs(response)]
 
     def _pairs(self, response: Any) -> list[tuple[int, Results]]:
-        out = []
-        for e in _entries(response):
+        out, entries = [], _entries(response)
+        choices = _choices_for(entries, response)
+        for e in entries:
             data = _inline(e)
             if data is None and e.get("handle"):
                 data = self._call("GET", _fetch_path(e["handle"])).content
-            out.append((e["index"], _decode(e, data, response)))
+            out.append((e["index"], _decode(e, data, choices)))
         return out
 
     def register_vectors(self, vectors: Mapping[str, Any]) -> list[str]:
         """Store named steering vectors on the server; specs may then name them."""
         body = {k: _wire_vector(v) for k, v in vectors.items()}
-        return self._call("POST", "/v1/hook/vectors", json=body).json()["vectors"]
+        return self._call("POST", "/v1/hook/vectors", **_as_json(body)).json()["vectors"]
 
     def delete_vectors(self, names: Sequence[str]) -> list[str]:
         left = None
@@ -443,7 +466,7 @@ class Client:
     def register_hooks(self, hooks: Sequence[Any]) -> int:
         """Persistent hooks for every request (operator hooks by name; Python `Hook`s only
         where the server allows client code). Returns how many are registered."""
-        return self._call("POST", "/v1/hook/hooks/register", json=_hooks_body(hooks)).json()["registered"]
+        return self._call("POST", "/v1/hook/hooks/register", **_as_json(_hooks_body(hooks))).json()["registered"]
 
     def collect_hook_results(self) -> dict[str, list[dict]]:
         return _collected(self._call("GET", "/v1/hook/hooks/collect").json())
@@ -455,7 +478,7 @@ class Client:
         self._call("POST", "/v1/hook/hooks/clear")
 
     def prefetch_params(self, names: Sequence[str]) -> list[str]:
-        return self._call("POST", "/v1/hook/hooks/prefetch", json={"names": list(names)}).json()["cached"]
+        return self._call("POST", "/v1/hook/hooks/prefetch", **_as_json({"names": list(names)})).json()["cached"]
 
 
 class AsyncClient:
@@ -489,12 +512,12 @@ class AsyncClient:
 
     async def generate(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Generation:
         body = _body({"model": await self._model(), "prompt": prompt}, spec, sampling)
-        data = _loads(await self._call("POST", "/v1/completions", **_as_json(body)))
+        data = _loads(await self._call("POST", "/v1/completions", **_as_json(body, tokens=True)))
         return _generation(data, await self._pairs(data), chat=False)
 
     async def chat(self, messages: list[dict], spec: Any = None, **sampling) -> Generation:
         body = _body({"model": await self._model(), "messages": messages}, spec, sampling)
-        data = _loads(await self._call("POST", "/v1/chat/completions", **_as_json(body)))
+        data = _loads(await self._call("POST", "/v1/chat/completions", **_as_json(body, tokens=True)))
         return _generation(data, await self._pairs(data), chat=True)
 
     def stream(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Stream:
@@ -510,7 +533,7 @@ class AsyncClient:
 
         async def events():
             body = _body({"model": await self._model(), **base}, spec, sampling)
-            async with self._http.stream("POST", path, **_as_json(body)) as resp:
+            async with self._http.stream("POST", path, **_as_json(body, tokens=True)) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
                     _raise_for(resp)
@@ -537,11 +560,12 @@ class AsyncClient:
             got = await asyncio.gather(*(self._call("GET", _fetch_path(entries[i]["handle"])) for i in fetch))
             for i, resp in zip(fetch, got):
                 datas[i] = resp.content
-        return [(e["index"], _decode(e, d, response)) for e, d in zip(entries, datas)]
+        choices = _choices_for(entries, response)
+        return [(e["index"], _decode(e, d, choices)) for e, d in zip(entries, datas)]
 
     async def register_vectors(self, vectors: Mapping[str, Any]) -> list[str]:
         body = {k: _wire_vector(v) for k, v in vectors.items()}
-        return (await self._call("POST", "/v1/hook/vectors", json=body)).json()["vectors"]
+        return (await self._call("POST", "/v1/hook/vectors", **_as_json(body))).json()["vectors"]
 
     async def delete_vectors(self, names: Sequence[str]) -> list[str]:
         left = None
@@ -556,7 +580,7 @@ class AsyncClient:
         return (await self._call("GET", "/v1/hook/health")).json()
 
     async def register_hooks(self, hooks: Sequence[Any]) -> int:
-        return (await self._call("POST", "/v1/hook/hooks/register", json=_hooks_body(hooks))).json()["registered"]
+        return (await self._call("POST", "/v1/hook/hooks/register", **_as_json(_hooks_body(hooks)))).json()["registered"]
 
     async def collect_hook_results(self) -> dict[str, list[dict]]:
         return _collected((await self._call("GET", "/v1/hook/hooks/collect")).json())
@@ -568,4 +592,4 @@ class AsyncClient:
         await self._call("POST", "/v1/hook/hooks/clear")
 
     async def prefetch_params(self, names: Sequence[str]) -> list[str]:
-        return (await self._call("POST", "/v1/hook/hooks/prefetch", json={"names": list(names)})).json()["cached"]
+        return (await self._call("POST", "/v1/hook/hooks/prefetch", **_as_json({"names": list(names)}))).json()["cached"]

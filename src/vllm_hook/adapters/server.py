@@ -230,9 +230,10 @@ def _error(serving: Any, err: SpecError):
     return serving.create_error_response(str(err), err_type=err_type, status_code=HTTPStatus(status))
 
 
-def _shown_tokens(response: Any) -> dict[int, int]:
-    """Choice index -> prompt + generated token ids a (non-streamed) completion or chat
-    response carries; choices without both are left out. Chat puts the prompt's at the top."""
+def _shown_tokens(response: Any) -> dict[int, tuple[list, list]]:
+    """Choice index -> (prompt token ids, generated token ids) a non-streamed completion or
+    chat response carries; choices without both are left out. Chat puts the prompt's at the
+    top."""
     top = getattr(response, "prompt_token_ids", None)
     shown = {}
     for c in getattr(response, "choices", None) or ():
@@ -240,11 +241,19 @@ def _shown_tokens(response: Any) -> dict[int, int]:
         prompt = top if prompt is None else prompt
         gen = getattr(c, "token_ids", None)
         if prompt is not None and gen is not None:
-            shown[c.index] = len(prompt) + len(gen)
+            shown[c.index] = (prompt, gen)
     return shown
 
 
-async def _encode(serving: Any, sink: encode.Sink, shown: dict[int, int] | None = None) -> dict:
+def _accepts_tokens(raw_request: Any) -> bool:
+    """Whether the HTTP client reads "tokens" entries (`encode.ACCEPT_HEADER`)."""
+    headers = getattr(raw_request, "headers", None)
+    return headers is not None and encode.TOKENS in (headers.get(encode.ACCEPT_HEADER) or "")
+
+
+async def _encode(serving: Any, sink: encode.Sink, response: Any = None) -> dict:
+    """The `"vllm_hook"` field; `response`: the non-streamed response whose choices show
+    their tokens, for a client that reads "tokens" entries (else None)."""
     sv = served_of(serving.engine_client)
     # Serialising large captures is CPU work: off the event loop, on one thread of our own (a
     # batch's large results queued in the default pool held back vLLM's own work there, and
@@ -252,6 +261,7 @@ async def _encode(serving: Any, sink: encode.Sink, shown: dict[int, int] | None 
     # loop: the hop to a thread and back waits for the GIL (up to its 5 ms switch interval)
     # while the loop runs, more than the encoding itself.
     t0 = time.perf_counter()
+    shown = _shown_tokens(response) if response is not None else None
     if encode.nbytes(sink) < ENCODE_ON_LOOP_BELOW:
         body = encode.payload(sink, sv.store, sv.frontend.cfg, shown)
     else:
@@ -354,17 +364,17 @@ def _create(orig):
                 return _error(self, err)
         if type(result).__name__ == "ErrorResponse":
             return result
+        raw_request = args[0] if args else kwargs.get("raw_request")
         if hasattr(result, "model_dump"):
             # vLLM's response models allow extra fields: this one is serialised with the rest
             # (put in their dict directly: pydantic's __setattr__ is a few µs a request).
-            body = await _encode(self, sink, _shown_tokens(result))
+            body = await _encode(self, sink, result if _accepts_tokens(raw_request) else None)
             extra = getattr(result, "__pydantic_extra__", None)
             if isinstance(extra, dict):
                 extra["vllm_hook"] = body
             else:
                 result.vllm_hook = body
             return result
-        raw_request = args[0] if args else kwargs.get("raw_request")
         return await _streaming(self, result, sink, raw_request)
     return create
 

@@ -137,8 +137,8 @@ def results_for(st: FrontendState, output: Any, entries: list[dict], res,
     float32 request's rows stay in the model's dtype and are widened where the client loads
     them (`Results.widen_to`)."""
     if not entries:
-        # Nothing to read or convert (steering only): torch's thread count left as it is
-        # (two calls a request, served).
+        # Nothing to read or convert (steering only, or a fetch that brought nothing):
+        # torch's thread count left as it is (two calls a request, served).
         with no_gc():
             return _results_for(st, output, entries, res, opened, wire)
     with no_gc(), one_thread():   # see _attach_all; small tensors: see hostmem.one_thread

@@ -3,8 +3,9 @@
 A `Sink` gathers the `Results` of the engine requests one HTTP request makes (one per prompt;
 `n > 1` gives a list per prompt). The API-server patches fill it; `payload` turns it into
 the `"vllm_hook"` field: inline base64 safetensors when small enough, a handle otherwise; a
-result with nothing but its tokens, whose choice in the response carries them
-(`return_token_ids`, as the plugin's clients ask), as those alone ("format": "tokens").
+result of nothing but its tokens, for a client that accepts it (`ACCEPT_HEADER`, which the
+plugin's clients send) and whose choice in the response shows them (`return_token_ids`), as
+its errors and metadata alone ("format": "tokens").
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .store import ResultStore
 
 FORMAT = "safetensors"
 TOKENS = "tokens"        # no tensors: the tokens are the response choice's (see `bare`)
+# A request header by which a client says it reads "tokens" entries (older clients do not).
+ACCEPT_HEADER = "x-vllm-hook-accept"
 STREAM_OBJECT = "vllm_hook.results"
 
 _CURRENT: ContextVar["Sink | None"] = ContextVar("vllm_hook_sink", default=None)
@@ -62,18 +65,23 @@ def nbytes(sink: Sink) -> int:
                for per_layer in r.activations.values() for t in per_layer.values())
 
 
-def bare(r: Results, shown: int | None) -> bool:
-    """Whether `r` is nothing but its tokens and errors, and its choice in the response shows
-    those tokens (`shown`: how many, prompt and generated): then its entry needs no
-    safetensors, the client builds the same Results from the choice (a steering-only request:
-    encoding and decoding them were most of what serving its results cost)."""
-    return (not r.activations and not r.hook_results and not r.heads
-            and shown == len(r.token_ids))
+def bare(r: Results, shown: tuple[list, list] | None) -> bool:
+    """Whether `r` is nothing but its tokens and errors, and those tokens are the ones its
+    choice in the response shows (`shown`: its prompt's and generated token ids): then its
+    entry needs no safetensors, the client builds the same Results from the choice (a
+    steering-only request: encoding and decoding them were most of what serving its results
+    cost)."""
+    if shown is None or r.activations or r.hook_results or r.heads:
+        return False
+    prompt, gen = shown
+    return r.prompt_len == len(prompt) and r.token_ids == [*prompt, *gen]
 
 
 def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
-               shown: dict[int, int] | None = None) -> dict[str, Any]:
+               shown: dict[int, tuple[list, list]] | None = None) -> dict[str, Any]:
     if shown is not None and bare(r, shown.get(index)):
+        # `meta`: what the tokens do not tell (its "index" is the Results' own: the child of
+        # an n > 1 request; the entry's is the response's choice)
         return {"index": index, "format": TOKENS, "bytes": 0, "data": None, "handle": None,
                 "errors": list(r.errors),
                 "meta": {"request_id": r.request_id, "index": r.index, "model": r.model}}
@@ -94,10 +102,11 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
 
 
 def payload(sink: Sink, store: ResultStore, cfg: HookConfig,
-            shown: dict[int, int] | None = None) -> dict[str, Any]:
+            shown: dict[int, tuple[list, list]] | None = None) -> dict[str, Any]:
     """The `"vllm_hook"` field. `index` is the response's choice index (prompt * n + child).
-    `shown`: how many tokens (prompt and generated) the response shows for each choice index
-    (`adapters.server`); None: a stream, whose results event stands alone."""
+    `shown`: the token ids (prompt's, generated) the response shows for each choice index
+    (`adapters.server`), for a client that reads "tokens" entries; None: safetensors only
+    (a stream, whose results event stands alone, or another client)."""
     entries = []
     for slot, got in enumerate(sink.slots):
         if got is None:
