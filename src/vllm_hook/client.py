@@ -7,8 +7,10 @@
 `Client` is synchronous, `AsyncClient` has the same methods as coroutines (`stream` /
 `stream_chat` return a `Stream` to iterate, or `async for`, then read `.results`). Results come back
 as the same `Results` objects as offline; results too large to travel inline are fetched by
-handle and then deleted on the server. `Client.results_of(response)` does the same for a
-response (or the extra stream event) obtained with the `openai` package.
+handle and then deleted on the server; a steering-only result comes as its choice's tokens
+(docs/serve.md, "The response"). `Client.results_of(response)` does the same for a whole
+response (or the extra stream event) obtained with the `openai` package. Request bodies are
+written and completions read with msgspec.
 """
 
 from __future__ import annotations
