@@ -4,6 +4,8 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
+
 import vllm_hook
 
 
@@ -39,3 +41,9 @@ def test_request_json_means_what_json_dumps_meant():
     assert json.loads(_json_bytes({"a": None, "b": [None]})) == {"a": None, "b": [None]}
     t = json.loads(spec_json({"steer": [{"op": "add", "layer": 0, "vector": torch.ones(3)}]}))
     assert t["steer"][0]["vector"]["b64"]
+    from vllm_hook.client import _body
+
+    with pytest.raises(ValueError):                       # refused in a body, as httpx's json= did
+        _json_bytes({"prompt": [1], "temperature": float("nan")})
+    with pytest.raises(TypeError, match="not bytes"):
+        _body({"model": "m", "prompt": b"hi"}, None, {})
