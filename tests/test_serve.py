@@ -24,6 +24,7 @@ import vllm_hook
 from tests.helpers.common import rel_err, res, run, sp, vec
 from tests.helpers.server import API_KEY, serving
 from vllm_hook.delivery.spill import KEEP_FREE_BYTES
+from vllm_hook.server.encode import shown_tokens
 from vllm_hook.server.store import ResultStore
 from vllm_hook.testing.tiny_models import tiny_model
 
@@ -313,7 +314,7 @@ def test_steering_only_requests_need_no_fetch(server, client, refs):
     body = {"model": tiny_model("qwen2"), "prompt": [ids, P3], "n": 2, "max_tokens": 3, "temperature": 1.0,
             "seed": 5, "vllm_xargs": {"vllm_hook": steer}, "return_token_ids": True}
     raw = httpx.post(f"{server.url}/v1/completions", json=body, headers={**head, "x-vllm-hook-accept": "tokens"}).json()
-    got = dict(vllm_hook.client._choices(raw))
+    got = shown_tokens(raw)
     assert [e["format"] for e in raw["vllm_hook"]["results"]] == ["tokens"] * 4
     for i, res_ in enumerate(client.results_of(raw)):
         prompt, gen = got[i]

@@ -28,7 +28,7 @@ import pybase64
 from .hooks.hook import Hook
 from .hooks.state import decode_collected
 from .results import Results
-from .server.encode import ACCEPT_HEADER, TOKENS
+from .server.encode import ACCEPT_HEADER, TOKENS, shown_tokens
 from .spec.errors import SpecError, UnknownVectorError
 from .spec.schema import SPEC_KEY, HookSpec
 from .spec.vectors import encode_vector
@@ -229,25 +229,6 @@ def _fetch_path(handle: str) -> str:
     return f"/v1/hook/results/{handle}?delete=true"
 
 
-def _field(obj: Any, key: str) -> Any:
-    """A field of a response part: a dict, or an `openai` object (extra fields included)."""
-    if isinstance(obj, Mapping):
-        return obj.get(key)
-    got = getattr(obj, key, None)
-    return got if got is not None else (getattr(obj, "model_extra", None) or {}).get(key)
-
-
-def _choices(response: Any) -> dict[int, tuple[list | None, list | None]]:
-    """Choice index -> (prompt token ids, generated token ids) a response shows (chat: the
-    prompt's at the top), for "tokens" entries."""
-    top = _field(response, "prompt_token_ids")
-    out = {}
-    for c in _field(response, "choices") or ():
-        prompt = _field(c, "prompt_token_ids")
-        out[_field(c, "index")] = (top if prompt is None else prompt, _field(c, "token_ids"))
-    return out
-
-
 def _from_choice(entry: dict, choices: dict) -> Results:
     """A "tokens" entry's Results: nothing but tokens and errors, the tokens those its choice
     in the response carries (the server sent no safetensors for them)."""
@@ -262,13 +243,13 @@ def _from_choice(entry: dict, choices: dict) -> Results:
 
 
 def _choices_for(entries: list[dict], response: Any) -> dict:
-    """`_choices(response)` where an entry needs them."""
-    return _choices(response) if any(e.get("format") == TOKENS for e in entries) else {}
+    """`shown_tokens(response)` where an entry needs them."""
+    return shown_tokens(response) if any(e.get("format") == TOKENS for e in entries) else {}
 
 
 def _decode(entry: dict, data: bytes | None, choices: dict) -> Results:
     """One entry's Results: its safetensors `data`, or (a "tokens" entry) its choice's tokens
-    (`_choices` of the response)."""
+    (`shown_tokens` of the response)."""
     if entry.get("format") == TOKENS:
         return _from_choice(entry, choices)
     if data is None:

@@ -230,21 +230,6 @@ def _error(serving: Any, err: SpecError):
     return serving.create_error_response(str(err), err_type=err_type, status_code=HTTPStatus(status))
 
 
-def _shown_tokens(response: Any) -> dict[int, tuple[list, list]]:
-    """Choice index -> (prompt token ids, generated token ids) a non-streamed completion or
-    chat response carries; choices without both are left out. Chat puts the prompt's at the
-    top."""
-    top = getattr(response, "prompt_token_ids", None)
-    shown = {}
-    for c in getattr(response, "choices", None) or ():
-        prompt = getattr(c, "prompt_token_ids", None)
-        prompt = top if prompt is None else prompt
-        gen = getattr(c, "token_ids", None)
-        if prompt is not None and gen is not None:
-            shown[c.index] = (prompt, gen)
-    return shown
-
-
 def _accepts_tokens(raw_request: Any) -> bool:
     """Whether the HTTP client reads "tokens" entries (`encode.ACCEPT_HEADER`)."""
     headers = getattr(raw_request, "headers", None)
@@ -261,7 +246,7 @@ async def _encode(serving: Any, sink: encode.Sink, response: Any = None) -> dict
     # loop: the hop to a thread and back waits for the GIL (up to its 5 ms switch interval)
     # while the loop runs, more than the encoding itself.
     t0 = time.perf_counter()
-    shown = _shown_tokens(response) if response is not None else None
+    shown = encode.shown_tokens(response) if response is not None else None
     if encode.nbytes(sink) < ENCODE_ON_LOOP_BELOW:
         body = encode.payload(sink, sv.store, sv.frontend.cfg, shown)
     else:

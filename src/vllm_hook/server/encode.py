@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import pybase64
 
@@ -65,6 +65,30 @@ def nbytes(sink: Sink) -> int:
                for per_layer in r.activations.values() for t in per_layer.values())
 
 
+def _field(obj: Any, key: str) -> Any:
+    """A field of a response part: a dict, or a pydantic object (vLLM's response models, the
+    `openai` package's; extra fields included)."""
+    if isinstance(obj, Mapping):
+        return obj.get(key)
+    got = getattr(obj, key, None)
+    return got if got is not None else (getattr(obj, "model_extra", None) or {}).get(key)
+
+
+def shown_tokens(response: Any) -> dict[int, tuple[list, list]]:
+    """Choice index -> (prompt token ids, generated token ids) a non-streamed completion or
+    chat response shows (chat: the prompt's at the top); choices without both are left out.
+    The server's check before a "tokens" entry and the client's reading of one, alike."""
+    top = _field(response, "prompt_token_ids")
+    shown = {}
+    for c in _field(response, "choices") or ():
+        prompt = _field(c, "prompt_token_ids")
+        prompt = top if prompt is None else prompt
+        gen = _field(c, "token_ids")
+        if prompt is not None and gen is not None:
+            shown[_field(c, "index")] = (prompt, gen)
+    return shown
+
+
 def bare(r: Results, shown: tuple[list, list] | None) -> bool:
     """Whether `r` is nothing but its tokens and errors, and those tokens are the ones its
     choice in the response shows (`shown`: its prompt's and generated token ids): then its
@@ -105,7 +129,7 @@ def payload(sink: Sink, store: ResultStore, cfg: HookConfig,
             shown: dict[int, tuple[list, list]] | None = None) -> dict[str, Any]:
     """The `"vllm_hook"` field. `index` is the response's choice index (prompt * n + child).
     `shown`: the token ids (prompt's, generated) the response shows for each choice index
-    (`adapters.server`), for a client that reads "tokens" entries; None: safetensors only
+    (`shown_tokens`), for a client that reads "tokens" entries; None: safetensors only
     (a stream, whose results event stands alone, or another client)."""
     entries = []
     for slot, got in enumerate(sink.slots):
