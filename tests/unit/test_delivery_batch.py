@@ -523,7 +523,7 @@ def test_requests_delivered_without_a_fetch_are_built_with_the_collector_paused(
     monkeypatch.setattr(D, "nothing_to_fetch", lambda st, res: True)
     monkeypatch.setattr(D, "_attach_each", lambda st, todo, fetched, failure, opened:
                         seen.append(([o.request_id for o, _ in todo], gc.isenabled())))
-    res = SimpleNamespace(key="k0", ticket=5)
+    res = SimpleNamespace(key="k0", ticket=5, fetches=False, save_dir=None)
     st = SimpleNamespace(pop_pending=lambda rid: res, early=None)
     out = SimpleNamespace(request_id="r0", finished=True)
 
@@ -534,9 +534,12 @@ def test_requests_delivered_without_a_fetch_are_built_with_the_collector_paused(
     D.attach(st, [out], rpc)
     assert seen == [(["r0"], False)] and gc.isenabled()
     # Served, each request's results alike, fetched or not.
-    monkeypatch.setattr(D, "_results_for", lambda *a: seen.append(("served", gc.isenabled())))
+    monkeypatch.setattr(D, "_tokens_only", lambda *a: seen.append(("served", gc.isenabled())))
     D.results_for(st, out, [], res, wire=True)
     assert seen[-1] == ("served", False) and gc.isenabled()
+    monkeypatch.setattr(D, "_results_for", lambda *a: seen.append(("fetched", gc.isenabled())))
+    D.results_for(st, out, [], SimpleNamespace(fetches=True, save_dir=None), wire=True)
+    assert seen[-1] == ("fetched", False) and gc.isenabled()
 
 
 @pytest.mark.parametrize("mapped_from", [0, spill.MAPPED_FROM])
@@ -820,3 +823,26 @@ def test_a_fetched_payload_nobody_reads_is_handed_back(tmp_path):
     assert len(list(tmp_path.iterdir())) == 1      # kept for reuse, as a read one is
     release([{"batch": {"path": spilled()}}, {"batch": {"blob": b""}}, None])
     assert results_files() == []
+
+
+@pytest.mark.parametrize("n,wire,model_dtype", [(1, True, "bfloat16"), (2, True, "bfloat16"),
+                                                (1, False, "bfloat16"), (1, True, "float32")])
+def test_a_steering_only_result_is_the_one_build_makes(n, wire, model_dtype):
+    """Served steering-only results skip `build` (`_tokens_only`): the same Results as the
+    general path, and the same when they travel (safetensors metadata has no fixed order:
+    compared once read back)."""
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend import delivery as D
+    from vllm_hook.results import Results
+
+    st = SimpleNamespace(info=SimpleNamespace(name="m", dtype=model_dtype, head_dim=16), points=TABLE,
+                         timing={"read_s": 0.0, "build_s": 0.0})
+    res = SimpleNamespace(items=[], hooks=0, fetches=False, save_dir=None, dtype="float32")
+    outs = [SimpleNamespace(index=i, token_ids=[7 + i, 8, 9]) for i in range(n)]
+    out = SimpleNamespace(request_id="cmpl-a-0", prompt_token_ids=[1, 2, 3, 4], outputs=outs)
+    fast = D._tokens_only(st, out, res, wire)
+    slow = D._results_for(st, out, [], res, None, wire)
+    for a, b in zip(*(x if isinstance(x, list) else [x] for x in (fast, slow))):
+        assert a == b and Results.from_bytes(a.to_bytes()) == Results.from_bytes(b.to_bytes())
+    assert isinstance(fast, list) == (n > 1)

@@ -73,12 +73,15 @@ def _stamp_config(orig):
 
 
 def _process_inputs(orig):
-    from ..frontend.admission import admit, sealed
+    from ..frontend.admission import admit, needs_seal, sealed
 
     def process_inputs(self, request_id, *args, **kwargs):
         # process_inputs(request_id, prompt, params, ...) in every supported version
         params = kwargs["params"] if "params" in kwargs else (args[1] if len(args) > 1 else None)
-        with sealed(params):
+        if needs_seal(params):
+            with sealed(params):
+                request = orig(self, request_id, *args, **kwargs)
+        else:                 # no spec, or its text (served): nothing for vLLM's copy to walk
             request = orig(self, request_id, *args, **kwargs)
         admit(self, request_id, request)
         return request

@@ -79,13 +79,14 @@ class _Tokens:
         self.delta, self.prompt, self.gen = delta, None, {}
 
     def add(self, out: Any) -> None:
+        # Not copied: vLLM makes each output's lists anew, and `build` copies them.
         if self.prompt is None and out.prompt_token_ids is not None:
-            self.prompt = list(out.prompt_token_ids)
+            self.prompt = out.prompt_token_ids
         for c in out.outputs:
             if self.delta:
                 self.gen.setdefault(c.index, []).extend(c.token_ids)
             else:
-                self.gen[c.index] = list(c.token_ids)
+                self.gen[c.index] = c.token_ids
 
     def view(self, out: Any) -> Any:
         outs = [SimpleNamespace(index=i, token_ids=t) for i, t in sorted(self.gen.items())]
@@ -232,8 +233,16 @@ def _error(serving: Any, err: SpecError):
 
 def _accepts_tokens(raw_request: Any) -> bool:
     """Whether the HTTP client reads "tokens" entries (`encode.ACCEPT_HEADER`)."""
-    headers = getattr(raw_request, "headers", None)
-    return headers is not None and encode.TOKENS in (headers.get(encode.ACCEPT_HEADER) or "")
+    # The ASGI scope's raw headers (lower-case names): starlette's Headers.get walks them
+    # through Mapping's generic get, several µs a request.
+    scope = getattr(raw_request, "scope", None)
+    for name, value in (scope.get("headers") or ()) if isinstance(scope, dict) else ():
+        if name == _ACCEPT and _TOKENS in value:
+            return True
+    return False
+
+
+_ACCEPT, _TOKENS = encode.ACCEPT_HEADER.encode("latin-1"), encode.TOKENS.encode("latin-1")
 
 
 async def _encode(serving: Any, sink: encode.Sink, response: Any = None) -> dict:

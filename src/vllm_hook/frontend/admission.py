@@ -37,6 +37,13 @@ class Sealed:
         return self
 
 
+def needs_seal(params: Any) -> bool:
+    """Whether `params` carry a spec object (not text) that `sealed` should wrap."""
+    extra = getattr(params, "extra_args", None)
+    raw = extra.get(SPEC_KEY) if isinstance(extra, dict) else None
+    return raw is not None and not isinstance(raw, (str, bytes, Sealed))
+
+
 @contextmanager
 def sealed(params: Any) -> Iterator[None]:
     """While vLLM processes a request: its raw spec as one opaque object. vLLM deep-copies each

@@ -140,9 +140,28 @@ def results_for(st: FrontendState, output: Any, entries: list[dict], res,
         # Nothing to read or convert (steering only, or a fetch that brought nothing):
         # torch's thread count left as it is (two calls a request, served).
         with no_gc():
+            if not res.fetches and not res.save_dir:
+                return _tokens_only(st, output, res, wire)
             return _results_for(st, output, entries, res, opened, wire)
     with no_gc(), one_thread():   # see _attach_all; small tensors: see hostmem.one_thread
         return _results_for(st, output, entries, res, opened, wire)
+
+
+def _tokens_only(st: FrontendState, output: Any, res, wire: bool) -> Results | list[Results]:
+    """`_results_for` of a request whose results are its tokens (steering only): what `build`
+    makes of no rows, without its walk (served, every steered request of a batch at once)."""
+    widen = wire and res.dtype == "float32" and st.info.dtype != "float32"
+    outs = list(getattr(output, "outputs", []) or []) or [None]
+    prompt = output.prompt_token_ids or []
+    built = []
+    for i, comp in enumerate(outs):
+        r = Results(request_id=str(output.request_id), prompt_len=len(prompt),
+                    token_ids=[*prompt, *(comp.token_ids if comp is not None else ())],
+                    index=getattr(comp, "index", i) if comp is not None else 0, model=st.info.name)
+        if widen:
+            r.widen_to = "float32"
+        built.append(r)
+    return built[0] if len(built) == 1 else built
 
 
 def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
@@ -188,7 +207,9 @@ def nothing_to_fetch(st: FrontendState, res, count: bool = True) -> bool:
     """A steering-only request every rank has marked clean: its results are its tokens. Any
     other (captures, hooks, an error on a worker, an arena not mapped yet) is fetched: a
     worker-side failure (a full vector table, a vector deleted before it ran) must reach it."""
-    if res.ticket and ARENAS.clean(st.arena_tokens, res.ticket):
+    if res.ticket and (res.clean or ARENAS.clean(st.arena_tokens, res.ticket)):
+        # asked twice a served request (its early fetch, then its delivery): read once
+        res.clean = True
         if count:
             st.timing["delivered_without_fetch"] += 1
         return True

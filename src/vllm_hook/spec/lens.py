@@ -150,4 +150,5 @@ def translate(extra: dict) -> tuple[dict, list[int] | None]:
 
 
 def has_lens_args(extra: Any) -> bool:
-    return isinstance(extra, dict) and any(k in extra for k in LENS_KEYS)
+    # (asked of every request, served ones three times: no generator)
+    return isinstance(extra, dict) and not extra.keys().isdisjoint(LENS_KEYS)
