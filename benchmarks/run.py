@@ -538,10 +538,25 @@ def bench_parser(doc: str | None) -> argparse.ArgumentParser:
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
 
 
+def host_probe(reps: int = 7) -> dict:
+    """The host's speed and steadiness for one Python thread: a fixed loop timed `reps` times
+    (ms: min, median, max), the load average and core count. Lent machines differ: runs 130
+    to 132 had native served batches 1.5 to 1.9x as long as run 129's on the same GPU kind,
+    and their ratios spread 4x as wide."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        sum(i * i for i in range(300_000))
+        times.append(1e3 * (time.perf_counter() - t))
+    times.sort()
+    return {"python_loop_ms": [round(times[0], 2), round(times[reps // 2], 2), round(times[-1], 2)],
+            "loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
+
+
 def run_meta(model: str, cfg: dict, **extra) -> dict:
-    """What a results file says about its run: model, shape, settings, command, versions."""
+    """What a results file says about its run: model, shape, settings, command, versions, host."""
     return {"model": model, "shape": {k: cfg.get(k) for k in SHAPE_KEYS}, **extra, "argv": sys.argv,
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), **_versions()}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), **_versions(), "host": host_probe()}
 
 
 class Record(dict):
