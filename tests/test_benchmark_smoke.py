@@ -92,6 +92,22 @@ def test_served_throughput_benchmark_smoke(tmp_path, engines):
     assert mixed["admission (parse, resolve)"] > 0 and mixed["encode (safetensors; inline or a handle)"] > 0
     report = (out / "report.md").read_text()
     assert "| mixed_thirds | 8 | 16 + 4 |" in report and "| API server | engine core and workers | client | collector" in report
+    # the host's single-thread speed and load, so runs on different lent hosts can be told apart
+    assert len(r["meta"]["host"]["python_loop_ms"]) == 3 and r["meta"]["host"]["cpus"] >= 1
+
+
+def test_api_server_cpu_benchmark_smoke(tmp_path, engines):
+    """benchmarks/api_server_cpu.py (issue 17): the API server's CPU per plain and steered
+    request, rounds alternating, on one plugin `vllm serve`."""
+    engines.close()
+    out = tmp_path / "asc"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "api_server_cpu.py"), "--requests", "24",
+                           "--rounds", "2", "--out", str(out)], capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((out / "result.json").read_text())
+    assert [len(r["rounds"][k]) for k in ("plain", "steer_add_all_layers")] == [2, 2]
+    assert set(r["extra"]["steer_add_all_layers"]) == {"loop_us", "process_us", "client_us"}
+    assert r["median"]["plain"]["loop_us"] > 0 and "+" in proc.stdout
 
 
 def test_host_cost_microbenchmark_smoke(tmp_path):
