@@ -541,8 +541,8 @@ SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_ke
 def host_probe(reps: int = 7) -> dict:
     """The host's speed and steadiness for one Python thread: a fixed loop timed `reps` times
     (ms: min, median, max), the load average and core count. Lent machines differ: runs 130
-    to 132 had native served batches 1.5 to 1.9x as long as run 129's on the same GPU kind,
-    and their ratios spread 4x as wide."""
+    to 132 had native served batches 1.1 to 1.7x as long as run 129's on the same GPU kind,
+    and their steering ratios' intervals were 9 to 19x as wide."""
     times = []
     for _ in range(reps):
         t = time.perf_counter()

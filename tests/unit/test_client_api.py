@@ -47,3 +47,22 @@ def test_request_json_means_what_json_dumps_meant():
         _json_bytes({"prompt": [1], "temperature": float("nan")})
     with pytest.raises(TypeError, match="not bytes"):
         _body({"model": "m", "prompt": b"hi"}, None, {})
+
+
+def test_the_server_reads_the_accept_header_from_the_asgi_scope():
+    """`x-vllm-hook-accept: tokens` (what the plugin's clients send) is read from the ASGI
+    scope's raw headers, lower-case names as ASGI requires; none, another value or no scope:
+    safetensors entries only."""
+    from types import SimpleNamespace
+
+    from vllm_hook.adapters.server import _accepts_tokens
+
+    def req(*headers):
+        return SimpleNamespace(scope={"type": "http", "headers": list(headers)})
+
+    assert _accepts_tokens(req((b"content-type", b"application/json"), (b"x-vllm-hook-accept", b"tokens")))
+    assert _accepts_tokens(req((b"x-vllm-hook-accept", b"safetensors, tokens")))
+    assert not _accepts_tokens(req((b"x-vllm-hook-accept", b"safetensors")))
+    assert not _accepts_tokens(req((b"content-type", b"application/json")))
+    assert not _accepts_tokens(req())
+    assert not _accepts_tokens(None) and not _accepts_tokens(SimpleNamespace())

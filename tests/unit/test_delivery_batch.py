@@ -826,7 +826,8 @@ def test_a_fetched_payload_nobody_reads_is_handed_back(tmp_path):
 
 
 @pytest.mark.parametrize("n,wire,model_dtype", [(1, True, "bfloat16"), (2, True, "bfloat16"),
-                                                (1, False, "bfloat16"), (1, True, "float32")])
+                                                (1, False, "bfloat16"), (1, True, "float32"),
+                                                (0, True, "bfloat16")])
 def test_a_steering_only_result_is_the_one_build_makes(n, wire, model_dtype):
     """Served steering-only results skip `build` (`_tokens_only`): the same Results as the
     general path, and the same when they travel (safetensors metadata has no fixed order:
@@ -843,6 +844,6 @@ def test_a_steering_only_result_is_the_one_build_makes(n, wire, model_dtype):
     out = SimpleNamespace(request_id="cmpl-a-0", prompt_token_ids=[1, 2, 3, 4], outputs=outs)
     fast = D._tokens_only(st, out, res, wire)
     slow = D._results_for(st, out, [], res, None, wire)
-    for a, b in zip(*(x if isinstance(x, list) else [x] for x in (fast, slow))):
+    for a, b in zip(*(x if isinstance(x, list) else [x] for x in (fast, slow)), strict=True):
         assert a == b and Results.from_bytes(a.to_bytes()) == Results.from_bytes(b.to_bytes())
     assert isinstance(fast, list) == (n > 1)

@@ -79,7 +79,8 @@ class _Tokens:
         self.delta, self.prompt, self.gen = delta, None, {}
 
     def add(self, out: Any) -> None:
-        # Not copied: vLLM makes each output's lists anew, and `build` copies them.
+        # Not copied: vLLM may still extend these lists (cumulative outputs share the
+        # detokenizer's), but only a finished output's are read, and the Results copy them.
         if self.prompt is None and out.prompt_token_ids is not None:
             self.prompt = out.prompt_token_ids
         for c in out.outputs:

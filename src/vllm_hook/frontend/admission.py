@@ -50,12 +50,11 @@ def sealed(params: Any) -> Iterator[None]:
     request's SamplingParams (and walks its extra_args): for a 28-op spec +140 µs a request,
     more than the spec's whole admission, on a copy `_admit` replaces by the wire form anyway.
     The caller's params are left as they were (a user may pass one for many prompts)."""
-    extra = getattr(params, "extra_args", None)
-    raw = extra.get(SPEC_KEY) if isinstance(extra, dict) else None
-    if raw is None or isinstance(raw, (str, bytes, Sealed)):
+    if not needs_seal(params):
         yield
         return
-    params.extra_args = {**extra, SPEC_KEY: Sealed(raw)}
+    extra = params.extra_args
+    params.extra_args = {**extra, SPEC_KEY: Sealed(extra[SPEC_KEY])}
     try:
         yield
     finally:

@@ -150,7 +150,8 @@ def results_for(st: FrontendState, output: Any, entries: list[dict], res,
 def _tokens_only(st: FrontendState, output: Any, res, wire: bool) -> Results | list[Results]:
     """`_results_for` of a request whose results are its tokens (steering only): what `build`
     makes of no rows, without its walk (served, every steered request of a batch at once)."""
-    widen = wire and res.dtype == "float32" and st.info.dtype != "float32"
+    t0 = time.perf_counter()
+    widen = _widens(st, res, wire)
     outs = list(getattr(output, "outputs", []) or []) or [None]
     prompt = output.prompt_token_ids or []
     built = []
@@ -161,12 +162,18 @@ def _tokens_only(st: FrontendState, output: Any, res, wire: bool) -> Results | l
         if widen:
             r.widen_to = "float32"
         built.append(r)
+    st.timing["build_s"] += time.perf_counter() - t0
     return built[0] if len(built) == 1 else built
+
+
+def _widens(st: FrontendState, res, wire: bool) -> bool:
+    """Served float32 results travel in the model's dtype and are widened where loaded."""
+    return wire and res.dtype == "float32" and st.info.dtype != "float32"
 
 
 def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
                  opened: Opened | None, wire: bool) -> Results | list[Results]:
-    widen = wire and res.dtype == "float32" and st.info.dtype != "float32"
+    widen = _widens(st, res, wire)
     dtype = "model" if widen else res.dtype
     outs = list(getattr(output, "outputs", []) or [])
     n = max(len(outs), 1)
@@ -208,7 +215,9 @@ def nothing_to_fetch(st: FrontendState, res, count: bool = True) -> bool:
     other (captures, hooks, an error on a worker, an arena not mapped yet) is fetched: a
     worker-side failure (a full vector table, a vector deleted before it ran) must reach it."""
     if res.ticket and (res.clean or ARENAS.clean(st.arena_tokens, res.ticket)):
-        # asked twice a served request (its early fetch, then its delivery): read once
+        # Asked twice a served request, both after its finish (its early fetch, then its
+        # delivery, milliseconds apart): read once. A mark withdrawn in between (a worker's
+        # note to finished requests, `turn_off`) is not seen: that window is accepted.
         res.clean = True
         if count:
             st.timing["delivered_without_fetch"] += 1

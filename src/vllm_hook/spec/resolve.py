@@ -139,7 +139,7 @@ class Resolved:
     hooks: int = 0                 # hooks in the spec: Results.hook_results has one per hook
     stack_layers: tuple[int, ...] | None = None   # vllm-lens output_residual_stream: out.activations
     ticket: int = 0                # steering only: its clean mark's ticket (delivery.arena), 0: none
-    clean: bool = False            # its clean mark was seen (a mark, once set, stays)
+    clean: bool = False            # its clean mark was seen at its finish (`nothing_to_fetch`)
     steer_norms: tuple[float, ...] = ()   # each steering op's vector norm (`spec.rescale`)
     # the shortest prompt for which its captures read a cached prefix (`cached_prefix_from`):
     # a copy for another prompt length sets `reads_cached_prefix` by one comparison
