@@ -829,9 +829,9 @@ def test_a_fetched_payload_nobody_reads_is_handed_back(tmp_path):
                                                 (1, False, "bfloat16"), (1, True, "float32"),
                                                 (0, True, "bfloat16")])
 def test_a_steering_only_result_is_the_one_build_makes(n, wire, model_dtype):
-    """Served steering-only results skip `build` (`_tokens_only`): the same Results as the
-    general path, and the same when they travel (safetensors metadata has no fixed order:
-    compared once read back)."""
+    """Steering-only results skip `build` (`_tokens_only`, served and offline): the same
+    Results as the general path (`_built`), and the same when they travel (safetensors
+    metadata has no fixed order: compared once read back)."""
     from types import SimpleNamespace
 
     from vllm_hook.frontend import delivery as D
@@ -843,7 +843,8 @@ def test_a_steering_only_result_is_the_one_build_makes(n, wire, model_dtype):
     outs = [SimpleNamespace(index=i, token_ids=[7 + i, 8, 9]) for i in range(n)]
     out = SimpleNamespace(request_id="cmpl-a-0", prompt_token_ids=[1, 2, 3, 4], outputs=outs)
     fast = D._tokens_only(st, out, res, wire)
-    slow = D._results_for(st, out, [], res, None, wire)
+    slow = D._built(st, out, [], res, None, wire)
+    assert D._results_for(st, out, [], res, None, wire) == fast
     for a, b in zip(*(x if isinstance(x, list) else [x] for x in (fast, slow)), strict=True):
         assert a == b and Results.from_bytes(a.to_bytes()) == Results.from_bytes(b.to_bytes())
     assert isinstance(fast, list) == (n > 1)

@@ -140,16 +140,21 @@ def results_for(st: FrontendState, output: Any, entries: list[dict], res,
         # Nothing to read or convert (steering only, or a fetch that brought nothing):
         # torch's thread count left as it is (two calls a request, served).
         with no_gc():
-            if not res.fetches and not res.save_dir:
-                return _tokens_only(st, output, res, wire)
             return _results_for(st, output, entries, res, opened, wire)
     with no_gc(), one_thread():   # see _attach_all; small tensors: see hostmem.one_thread
         return _results_for(st, output, entries, res, opened, wire)
 
 
+def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
+                 opened: Opened | None, wire: bool) -> Results | list[Results]:
+    if not entries and not res.fetches and not res.save_dir:
+        return _tokens_only(st, output, res, wire)
+    return _built(st, output, entries, res, opened, wire)
+
+
 def _tokens_only(st: FrontendState, output: Any, res, wire: bool) -> Results | list[Results]:
-    """`_results_for` of a request whose results are its tokens (steering only): what `build`
-    makes of no rows, without its walk (served, every steered request of a batch at once)."""
+    """The Results of a request that are its tokens (steering only): what `_built` makes of no
+    rows, without `build`'s walk (served, every steered request of a batch at once)."""
     t0 = time.perf_counter()
     widen = _widens(st, res, wire)
     outs = list(getattr(output, "outputs", []) or []) or [None]
@@ -171,8 +176,8 @@ def _widens(st: FrontendState, res, wire: bool) -> bool:
     return wire and res.dtype == "float32" and st.info.dtype != "float32"
 
 
-def _results_for(st: FrontendState, output: Any, entries: list[dict], res,
-                 opened: Opened | None, wire: bool) -> Results | list[Results]:
+def _built(st: FrontendState, output: Any, entries: list[dict], res,
+           opened: Opened | None, wire: bool) -> Results | list[Results]:
     widen = _widens(st, res, wire)
     dtype = "model" if widen else res.dtype
     outs = list(getattr(output, "outputs", []) or [])
