@@ -5,8 +5,9 @@
 A served batch's requests reach and leave one API server event loop together, so what the
 plugin adds there per request is paid serially (docs/benchmarks.md, runs 129 to 131). This
 measures it where GPU time is not needed: one `vllm serve` of the tiny 28-layer Qwen2 (CPU,
-eager), `--requests` completions per round (32-token prompts, 1 generated token, 16 in
-flight, `vllm_hook.AsyncClient`), rounds of each workload alternating with plain ones, each
+eager), `--requests` completions per round (32-token prompts, 1 generated token,
+`--in-flight` at a time, default 16, or with `--batches` in batches of that many sent at once
+and awaited together, as a GPU batch's requests arrive and finish; `vllm_hook.AsyncClient`), rounds of each workload alternating with plain ones, each
 round's CPU time per request read from the API server's event-loop thread (its main thread)
 and from the whole process (the kernel's clock ticks: 10 ms over a round, 7 µs a request
 at 1,500). Reports medians over rounds and the hooked workload's extra over the plain rounds.
@@ -38,9 +39,6 @@ from run import workloads  # noqa: E402
 from throughput_served import KEY, VECTOR, server_args  # noqa: E402
 from vllm_hook.client import AsyncClient  # noqa: E402
 
-IN_FLIGHT = 16
-
-
 def clocks(proc: psutil.Process) -> tuple[float, float]:
     """CPU seconds of the process's main thread (the event loop) and of the whole process."""
     t = proc.cpu_times()
@@ -48,9 +46,10 @@ def clocks(proc: psutil.Process) -> tuple[float, float]:
     return main, t.user + t.system
 
 
-async def one_round(client: AsyncClient, proc: psutil.Process, spec_of, n: int, seed: int) -> dict:
+async def one_round(client: AsyncClient, proc: psutil.Process, spec_of, n: int, seed: int,
+                    in_flight: int, batches: bool = False) -> dict:
     ps = prompts(n, 32, 512, seed=seed)
-    gate = asyncio.Semaphore(IN_FLIGHT)
+    gate = asyncio.Semaphore(in_flight)
 
     async def one(i: int):
         async with gate:
@@ -60,7 +59,9 @@ async def one_round(client: AsyncClient, proc: psutil.Process, spec_of, n: int, 
                 raise RuntimeError(f"request failed: {g.results and g.results.errors}")
 
     c0, t0, w0 = clocks(proc), time.process_time(), time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(n)))
+    step = in_flight if batches else n
+    for start in range(0, n, step):
+        await asyncio.gather(*(one(i) for i in range(start, min(start + step, n))))
     c1, t1, w1 = clocks(proc), time.process_time(), time.perf_counter()
     return {"loop_us": 1e6 * (c1[0] - c0[0]) / n, "process_us": 1e6 * (c1[1] - c0[1]) / n,
             "client_us": 1e6 * (t1 - t0) / n, "wall_s": w1 - w0}
@@ -70,13 +71,13 @@ async def bench(args, url: str, pid: int, out: Path) -> dict:
     import torch
 
     http = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600,
-                             limits=httpx.Limits(max_connections=IN_FLIGHT + 8, max_keepalive_connections=0))
+                             limits=httpx.Limits(max_connections=args.in_flight + 8, max_keepalive_connections=0))
     client = AsyncClient(url, http=http)
     await client.register_vectors({VECTOR: torch.randn(128)})
     proc, wl = psutil.Process(pid), workloads(28)
     rounds: dict[str, list[dict]] = {}
     seed = 1
-    await one_round(client, proc, None, 64, seed)            # warm-up
+    await one_round(client, proc, None, 64, seed, args.in_flight)            # warm-up
     for r in range(args.rounds):
         for name in ["plain", *args.workloads][::1 if r % 2 == 0 else -1]:
             seed += 1
@@ -86,7 +87,8 @@ async def bench(args, url: str, pid: int, out: Path) -> dict:
                                         "--nonblocking", "-o", str(out / f"{name}-{r}.txt")],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-            got = await one_round(client, proc, None if name == "plain" else wl[name], args.requests, seed)
+            got = await one_round(client, proc, None if name == "plain" else wl[name], args.requests, seed,
+                                  args.in_flight, args.batches)
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait()
@@ -104,6 +106,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1500)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--in-flight", type=int, default=16, help="requests sent at once")
+    ap.add_argument("--batches", action="store_true", help="send --in-flight requests at a time, each batch awaited")
     ap.add_argument("--workloads", nargs="+", default=["steer_add_all_layers"])
     ap.add_argument("--out", default="/tmp/api_server_cpu")
     ap.add_argument("--py-spy", help="path of the py-spy binary: record each round's stacks")

@@ -256,7 +256,8 @@ async def _encode(serving: Any, sink: encode.Sink, response: Any = None) -> dict
     # loop: the hop to a thread and back waits for the GIL (up to its 5 ms switch interval)
     # while the loop runs, more than the encoding itself.
     t0 = time.perf_counter()
-    shown = encode.shown_tokens(response) if response is not None else None
+    # (a response whose results all carry rows has no "tokens" entry: its choices not read)
+    shown = encode.shown_tokens(response) if response is not None and encode.any_tokens_only(sink) else None
     if encode.nbytes(sink) < ENCODE_ON_LOOP_BELOW:
         body = encode.payload(sink, sv.store, sv.frontend.cfg, shown)
     else:

@@ -65,8 +65,7 @@ class collecting:
 
 def nbytes(sink: Sink) -> int:
     """The bytes of the activations a sink holds (what its encoding copies)."""
-    return sum(t.numel() * t.element_size() for got in sink.slots if got is not None
-               for r in (got if isinstance(got, list) else [got])
+    return sum(t.numel() * t.element_size() for r in _results(sink)
                for per_layer in r.activations.values() for t in per_layer.values())
 
 
@@ -97,6 +96,18 @@ def shown_tokens(response: Any) -> dict[int, tuple[list, list]]:
         if prompt is not None and gen is not None:
             shown[_field(c, "index")] = (prompt, gen)
     return shown
+
+
+def _results(sink: Sink):
+    for got in sink.slots:
+        if got is not None:
+            yield from (got if isinstance(got, list) else (got,))
+
+
+def any_tokens_only(sink: Sink) -> bool:
+    """Whether any of the sink's results is nothing but its tokens and errors (`bare` may
+    then hold, given the response's token ids)."""
+    return any(not (r.activations or r.hook_results or r.heads) for r in _results(sink))
 
 
 def bare(r: Results, shown: tuple[list, list] | None) -> bool:
