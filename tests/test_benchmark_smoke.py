@@ -102,7 +102,8 @@ def test_api_server_cpu_benchmark_smoke(tmp_path, engines):
     engines.close()
     out = tmp_path / "asc"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "api_server_cpu.py"), "--requests", "24",
-                           "--rounds", "2", "--out", str(out)], capture_output=True, text=True, timeout=1500)
+                           "--rounds", "2", "--in-flight", "12", "--batches", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((out / "result.json").read_text())
     assert [len(r["rounds"][k]) for k in ("plain", "steer_add_all_layers")] == [2, 2]
