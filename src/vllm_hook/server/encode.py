@@ -99,15 +99,20 @@ def shown_tokens(response: Any) -> dict[int, tuple[list, list]]:
 
 
 def _results(sink: Sink):
+    """Every Results the sink holds (children of an n > 1 request one by one)."""
     for got in sink.slots:
         if got is not None:
             yield from (got if isinstance(got, list) else (got,))
 
 
+def _rowless(r: Results) -> bool:
+    return not (r.activations or r.hook_results or r.heads)
+
+
 def any_tokens_only(sink: Sink) -> bool:
     """Whether any of the sink's results is nothing but its tokens and errors (`bare` may
     then hold, given the response's token ids)."""
-    return any(not (r.activations or r.hook_results or r.heads) for r in _results(sink))
+    return any(_rowless(r) for r in _results(sink))
 
 
 def bare(r: Results, shown: tuple[list, list] | None) -> bool:
@@ -116,7 +121,7 @@ def bare(r: Results, shown: tuple[list, list] | None) -> bool:
     entry needs no safetensors, the client builds the same Results from the choice (a
     steering-only request: encoding and decoding them were most of what serving its results
     cost)."""
-    if shown is None or r.activations or r.hook_results or r.heads:
+    if shown is None or not _rowless(r):
         return False
     prompt, gen = shown
     return r.prompt_len == len(prompt) and r.token_ids == [*prompt, *gen]
