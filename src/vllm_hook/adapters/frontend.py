@@ -73,15 +73,12 @@ def _stamp_config(orig):
 
 
 def _process_inputs(orig):
-    from ..frontend.admission import admit, needs_seal, sealed
+    from ..frontend.admission import admit, sealed
 
     def process_inputs(self, request_id, *args, **kwargs):
         # process_inputs(request_id, prompt, params, ...) in every supported version
         params = kwargs["params"] if "params" in kwargs else (args[1] if len(args) > 1 else None)
-        if needs_seal(params):
-            with sealed(params):
-                request = orig(self, request_id, *args, **kwargs)
-        else:                 # no spec, or its text (served): nothing for vLLM's copy to walk
+        with sealed(params):
             request = orig(self, request_id, *args, **kwargs)
         admit(self, request_id, request)
         return request

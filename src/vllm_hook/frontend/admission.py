@@ -9,8 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from ..adapters.requests import add_cache_salt, params_of, prompt_len_of
 from ..spec.errors import SpecError
@@ -37,28 +36,29 @@ class Sealed:
         return self
 
 
-def needs_seal(params: Any) -> bool:
-    """Whether `params` carry a spec object (not text) that `sealed` should wrap."""
-    extra = getattr(params, "extra_args", None)
-    raw = extra.get(SPEC_KEY) if isinstance(extra, dict) else None
-    return raw is not None and not isinstance(raw, (str, bytes, Sealed))
+class sealed:
+    """`with sealed(params):` while vLLM processes a request, its raw spec as one opaque
+    object. vLLM deep-copies each request's SamplingParams (and walks its extra_args): for a
+    28-op spec +140 µs a request, more than the spec's whole admission, on a copy `_admit`
+    replaces by the wire form anyway. Spec text (served) and no spec are left as they are. The
+    caller's params are restored after (a user may pass one for many prompts). A class, not a
+    generator context manager: entered for every request."""
 
+    __slots__ = ("params", "extra")
 
-@contextmanager
-def sealed(params: Any) -> Iterator[None]:
-    """While vLLM processes a request: its raw spec as one opaque object. vLLM deep-copies each
-    request's SamplingParams (and walks its extra_args): for a 28-op spec +140 µs a request,
-    more than the spec's whole admission, on a copy `_admit` replaces by the wire form anyway.
-    The caller's params are left as they were (a user may pass one for many prompts)."""
-    if not needs_seal(params):
-        yield
-        return
-    extra = params.extra_args
-    params.extra_args = {**extra, SPEC_KEY: Sealed(extra[SPEC_KEY])}
-    try:
-        yield
-    finally:
-        params.extra_args = extra
+    def __init__(self, params: Any):
+        self.params, self.extra = params, None
+
+    def __enter__(self) -> None:
+        extra = getattr(self.params, "extra_args", None)
+        raw = extra.get(SPEC_KEY) if isinstance(extra, dict) else None
+        if raw is not None and not isinstance(raw, (str, bytes, Sealed)):
+            self.extra = extra
+            self.params.extra_args = {**extra, SPEC_KEY: Sealed(raw)}
+
+    def __exit__(self, *exc) -> None:
+        if self.extra is not None:
+            self.params.extra_args = self.extra
 
 
 def _hooked(request: Any, sp: Any) -> None:

@@ -156,19 +156,22 @@ def _tokens_only(st: FrontendState, output: Any, res, wire: bool) -> Results | l
     """The Results of a request that are its tokens (steering only): what `_built` makes of no
     rows, without `build`'s walk (served, every steered request of a batch at once)."""
     t0 = time.perf_counter()
-    widen = _widens(st, res, wire)
-    outs = list(getattr(output, "outputs", []) or []) or [None]
-    prompt = output.prompt_token_ids or []
-    built = []
-    for i, comp in enumerate(outs):
-        r = Results(request_id=str(output.request_id), prompt_len=len(prompt),
-                    token_ids=[*prompt, *(comp.token_ids if comp is not None else ())],
-                    index=getattr(comp, "index", i) if comp is not None else 0, model=st.info.name)
-        if widen:
+    built = _of_tokens(output, st.info.name)
+    if _widens(st, res, wire):
+        for r in built:
             r.widen_to = "float32"
-        built.append(r)
     st.timing["build_s"] += time.perf_counter() - t0
     return built[0] if len(built) == 1 else built
+
+
+def _of_tokens(output: Any, model: str = "", errors: Sequence[str] = ()) -> list[Results]:
+    """A Results of nothing but its tokens (and `errors`) per choice of `output`."""
+    prompt = getattr(output, "prompt_token_ids", None) or []
+    outs = list(getattr(output, "outputs", None) or []) or [None]
+    return [Results(request_id=str(output.request_id), prompt_len=len(prompt),
+                    token_ids=[*prompt, *(c.token_ids if c is not None else ())],
+                    index=getattr(c, "index", i) if c is not None else 0, model=model,
+                    errors=list(errors)) for i, c in enumerate(outs)]
 
 
 def _widens(st: FrontendState, res, wire: bool) -> bool:
@@ -485,12 +488,7 @@ class _Batch:
 
 def failed(output: Any, message: str) -> Results | list[Results]:
     """What a request whose results were lost carries instead: its tokens and the error."""
-    prompt = list(getattr(output, "prompt_token_ids", None) or [])
-    outs = list(getattr(output, "outputs", None) or [None])
-    rs = [Results(request_id=str(output.request_id), prompt_len=len(prompt),
-                  token_ids=prompt + (list(c.token_ids) if c is not None else []),
-                  index=getattr(c, "index", 0) if c is not None else 0, errors=[message])
-          for c in outs]
+    rs = _of_tokens(output, errors=[message])
     return rs[0] if len(rs) == 1 else rs
 
 
