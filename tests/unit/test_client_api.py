@@ -66,3 +66,36 @@ def test_the_server_reads_the_accept_header_from_the_asgi_scope():
     assert not _accepts_tokens(req((b"content-type", b"application/json")))
     assert not _accepts_tokens(req())
     assert not _accepts_tokens(None) and not _accepts_tokens(SimpleNamespace())
+
+
+def test_a_hooked_response_renders_as_starlette_would():
+    """The completion and chat routers' JSONResponse is the plugin's (`adapters.server`): a
+    body with the "vllm_hook" field gets the field from msgspec, appended to what starlette
+    rendered of the rest; the bytes are starlette's own. Other bodies are starlette's alone."""
+    import base64
+    import importlib
+    import json
+
+    from starlette.responses import JSONResponse
+
+    from vllm_hook.adapters import server
+    from vllm_hook.server.encode import stream_chunk, with_field
+
+    server.install()
+    routers = [importlib.import_module(name) for name in server.ROUTERS]
+    assert all(getattr(m.JSONResponse, "__vllm_hook__", False) for m in routers)
+    ours = routers[0].JSONResponse
+    assert routers[1].JSONResponse is ours and issubclass(ours, JSONResponse)
+    field = {"results": [{"index": 0, "format": "safetensors", "bytes": 30, "handle": None,
+                          "data": base64.b64encode(bytes(range(30))).decode(),
+                          "errors": ['ünïcode "quoted"\n\\ and \u2028'], "meta": {"n": [1, 2]}}]}
+    for body in ({"id": "cmpl-1", "choices": [{"text": "é\t\"x\"", "logprobs": None}], "usage": {"a": 1.5},
+                  "vllm_hook": field}, {"vllm_hook": field}, {"id": "e", "error": {"code": 400}}):
+        assert ours(content=dict(body)).body == JSONResponse(content=dict(body)).body
+    assert json.loads(with_field(b'{ "a" : 1 } ', field)) == {"a": 1, "vllm_hook": field}
+    with pytest.raises(ValueError):
+        with_field(b"[1]", field)
+    event = stream_chunk({"id": "cmpl-1", "created": 3, "model": "m"}, field)
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert json.loads(event[len("data: "):]) == {"id": "cmpl-1", "created": 3, "model": "m", "object": "vllm_hook.results",
+                                                 "choices": [], "vllm_hook": field}

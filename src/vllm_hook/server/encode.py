@@ -14,6 +14,7 @@ import json
 from contextvars import ContextVar
 from typing import Any, Mapping
 
+import msgspec
 import pybase64
 from pydantic import BaseModel
 
@@ -26,6 +27,12 @@ TOKENS = "tokens"        # no tensors: the tokens are the response choice's (see
 # A request header by which a client says it reads "tokens" entries (older clients do not).
 ACCEPT_HEADER = "x-vllm-hook-accept"
 STREAM_OBJECT = "vllm_hook.results"
+FIELD = "vllm_hook"      # the response's field (non-streamed) and the stream event's
+# The field's JSON: msgspec (a vLLM dependency). The standard library's encoder escapes a
+# string character by character: a 4-layer capture's 19 KB of base64 took about 290 µs a
+# response on a lent H100 host (run 134), msgspec about 7x less (CI machine: 6 against 41).
+# The field holds no floats, so msgspec's NaN-as-null never applies to it.
+_JSON = msgspec.json.Encoder()
 
 _CURRENT: ContextVar["Sink | None"] = ContextVar("vllm_hook_sink", default=None)
 
@@ -176,10 +183,21 @@ def chunk_meta(chunk: str) -> dict[str, Any]:
     return {k: body[k] for k in ("id", "created", "model") if isinstance(body, dict) and k in body}
 
 
+def with_field(rendered: bytes, body: dict[str, Any]) -> bytes:
+    """`rendered`, a JSON object's bytes (the response vLLM rendered without our field), with
+    the `"vllm_hook"` field added last (where the response model's extra field went)."""
+    head = rendered.rstrip()
+    if not head.endswith(b"}"):
+        raise ValueError("not a JSON object")
+    head = head[:-1].rstrip()
+    sep = b"" if head.endswith(b"{") else b","
+    return b"".join((head, sep, b'"', FIELD.encode(), b'":', _JSON.encode(body), b"}"))
+
+
 def stream_chunk(meta: dict[str, Any], body: dict[str, Any]) -> str:
     """The extra SSE event sent just before `data: [DONE]`."""
-    event = {**meta, "object": STREAM_OBJECT, "choices": [], "vllm_hook": body}
-    return f"data: {json.dumps(event)}\n\n"
+    event = {**meta, "object": STREAM_OBJECT, "choices": [], FIELD: body}
+    return f"data: {_JSON.encode(event).decode()}\n\n"
 
 
 def is_done(chunk: Any) -> bool:
