@@ -28,7 +28,7 @@ import pybase64
 from .hooks.hook import Hook
 from .hooks.state import decode_collected
 from .results import Results
-from .server.encode import ACCEPT_HEADER, TOKENS, shown_tokens
+from .server.encode import ACCEPT_HEADER, STACKED, TOKENS, shown_tokens
 from .spec.errors import SpecError, UnknownVectorError
 from .spec.schema import SPEC_KEY, HookSpec
 from .spec.vectors import encode_vector
@@ -147,7 +147,7 @@ def _as_json(body: Any, tokens: bool = False) -> dict:
 
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
-_TOKENS_HEADERS = {**_JSON_HEADERS, ACCEPT_HEADER: TOKENS}
+_TOKENS_HEADERS = {**_JSON_HEADERS, ACCEPT_HEADER: f"{TOKENS}, {STACKED}"}
 
 
 def _loads(resp: httpx.Response) -> Any:

@@ -50,22 +50,25 @@ def test_request_json_means_what_json_dumps_meant():
 
 
 def test_the_server_reads_the_accept_header_from_the_asgi_scope():
-    """`x-vllm-hook-accept: tokens` (what the plugin's clients send) is read from the ASGI
-    scope's raw headers, lower-case names as ASGI requires; none, another value or no scope:
-    safetensors entries only."""
+    """`x-vllm-hook-accept: tokens, stacked` (what the plugin's clients send) is read from the
+    ASGI scope's raw headers, lower-case names as ASGI requires; none, another value or no
+    scope: per-layer safetensors entries only."""
     from types import SimpleNamespace
 
-    from vllm_hook.adapters.server import _accepts_tokens
+    from vllm_hook.adapters.server import _STACKED, _TOKENS, _accepted
+    from vllm_hook.client import _TOKENS_HEADERS
 
     def req(*headers):
         return SimpleNamespace(scope={"type": "http", "headers": list(headers)})
 
-    assert _accepts_tokens(req((b"content-type", b"application/json"), (b"x-vllm-hook-accept", b"tokens")))
-    assert _accepts_tokens(req((b"x-vllm-hook-accept", b"safetensors, tokens")))
-    assert not _accepts_tokens(req((b"x-vllm-hook-accept", b"safetensors")))
-    assert not _accepts_tokens(req((b"content-type", b"application/json")))
-    assert not _accepts_tokens(req())
-    assert not _accepts_tokens(None) and not _accepts_tokens(SimpleNamespace())
+    sent = _TOKENS_HEADERS["x-vllm-hook-accept"].encode()
+    assert _TOKENS in _accepted(req((b"content-type", b"application/json"), (b"x-vllm-hook-accept", sent)))
+    assert _STACKED in _accepted(req((b"x-vllm-hook-accept", sent)))
+    assert _TOKENS in _accepted(req((b"x-vllm-hook-accept", b"safetensors, tokens")))
+    assert _STACKED not in _accepted(req((b"x-vllm-hook-accept", b"tokens")))
+    assert _TOKENS not in _accepted(req((b"x-vllm-hook-accept", b"safetensors")))
+    assert _accepted(req((b"content-type", b"application/json"))) == b""
+    assert _accepted(req()) == b"" and _accepted(None) == b"" and _accepted(SimpleNamespace()) == b""
 
 
 def test_a_hooked_response_renders_as_starlette_would():

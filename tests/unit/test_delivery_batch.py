@@ -695,11 +695,47 @@ def test_served_results_travel_in_the_model_dtype_and_load_as_float32(tmp_path):
         loaded = Results.from_bytes(sent)
         assert all(t.dtype == torch.float32 for d in loaded.activations.values() for t in d.values())
         _same(loaded, offline)
+        # Stacked sites (for a client that reads them): the same Results from fewer tensors.
+        _same(Results.from_bytes(served.to_bytes(stacked=True)), offline)
         served.save(tmp_path / "r.safetensors")          # a file the server saves loads the same
         _same(Results.load(tmp_path / "r.safetensors"), offline)
         # A float32 model's results are float32 already: nothing to widen.
         st32 = SimpleNamespace(**{**vars(st), "info": SimpleNamespace(dtype="float32", name="m", head_dim=4)})
         assert results_for(st32, out, entries, res, Opened(), wire=True).widen_to is None
+
+
+def test_stacked_sites_load_as_per_layer_ones():
+    """`to_bytes(stacked=True)`: a site whose layers share positions, shape and dtype travels as
+    one tensor, layers ascending (a block viewed where they lie back to back in it, else
+    stacked); others per layer. `from_bytes` gives the same Results either way."""
+    from vllm_hook.results import Results, _stack
+
+    block, pos = torch.randn(4, 2, 6).bfloat16(), torch.tensor([5, 6])
+    order = (21, 3, 15, 9)                      # inserted out of order
+    acts = {"resid_post": {L: block[i] for i, L in enumerate(sorted(order))},
+            "mlp_out": {L: torch.randn(2, 6).bfloat16() for L in order},
+            "attn_out": {1: torch.randn(2, 6).bfloat16(), 2: torch.randn(3, 6).bfloat16()},   # shapes differ
+            "q": {4: torch.randn(2, 2, 3).bfloat16()}}                                       # one layer
+    poss = {"resid_post": {L: pos for L in order}, "mlp_out": {L: pos for L in order},
+            "attn_out": {1: pos, 2: torch.tensor([4, 5, 6])}, "q": {4: pos}}
+    r = Results(request_id="r", prompt_len=7, token_ids=list(range(9)), activations=acts, positions=poss,
+                widen_to="float32", heads={"q": {4: [0, 1]}})
+    viewed, _ = _stack(acts["resid_post"], poss["resid_post"])
+    assert viewed.data_ptr() == block.data_ptr() and torch.equal(viewed, block)
+    copied, _ = _stack(acts["mlp_out"], poss["mlp_out"])
+    assert torch.equal(copied, torch.stack([acts["mlp_out"][L] for L in sorted(order)]))
+    assert _stack(acts["attn_out"], poss["attn_out"]) is None and _stack(acts["q"], poss["q"]) is None
+    assert _stack(acts["mlp_out"], {**poss["mlp_out"], 3: pos.clone()}) is None     # positions not shared
+    per_layer, stacked = Results.from_bytes(r.to_bytes()), Results.from_bytes(r.to_bytes(stacked=True))
+    assert len(r.to_bytes(stacked=True)) < len(r.to_bytes())
+    for got in (per_layer, stacked):
+        assert got.heads == r.heads
+        for site, d in acts.items():
+            assert sorted(got.activations[site]) == sorted(d)
+            for L, t in d.items():
+                assert got.activations[site][L].dtype == torch.float32
+                assert torch.equal(got.activations[site][L], t.float())
+                assert torch.equal(got.positions[site][L], poss[site][L])
 
 
 def test_safetensors_bytes_are_those_of_safetensors_save():

@@ -234,23 +234,26 @@ def _error(serving: Any, err: SpecError):
     return serving.create_error_response(str(err), err_type=err_type, status_code=HTTPStatus(status))
 
 
-def _accepts_tokens(raw_request: Any) -> bool:
-    """Whether the HTTP client reads "tokens" entries (`encode.ACCEPT_HEADER`)."""
+def _accepted(raw_request: Any) -> bytes:
+    """What the HTTP client says it reads (`encode.ACCEPT_HEADER`: "tokens", "stacked"), as
+    the header's raw value; empty without it."""
     # The ASGI scope's raw headers (lower-case names): starlette's Headers.get walks them
     # through Mapping's generic get, several µs a request.
     scope = getattr(raw_request, "scope", None)
     for name, value in (scope.get("headers") or ()) if isinstance(scope, dict) else ():
-        if name == _ACCEPT and _TOKENS in value:
-            return True
-    return False
+        if name == _ACCEPT:
+            return value
+    return b""
 
 
-_ACCEPT, _TOKENS = encode.ACCEPT_HEADER.encode("latin-1"), encode.TOKENS.encode("latin-1")
+_ACCEPT = encode.ACCEPT_HEADER.encode("latin-1")
+_TOKENS, _STACKED = encode.TOKENS.encode("latin-1"), encode.STACKED.encode("latin-1")
 
 
-async def _encode(serving: Any, sink: encode.Sink, response: Any = None) -> dict:
+async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked: bool = False) -> dict:
     """The `"vllm_hook"` field; `response`: the non-streamed response whose choices show
-    their tokens, for a client that reads "tokens" entries (else None)."""
+    their tokens, for a client that reads "tokens" entries (else None); `stacked`: the client
+    reads stacked sites."""
     sv = served_of(serving.engine_client)
     # Serialising large captures is CPU work: off the event loop, on one thread of our own (a
     # batch's large results queued in the default pool held back vLLM's own work there, and
@@ -261,10 +264,10 @@ async def _encode(serving: Any, sink: encode.Sink, response: Any = None) -> dict
     # (a response whose results all carry rows has no "tokens" entry: its choices not read)
     shown = encode.shown_tokens(response) if response is not None and encode.any_tokens_only(sink) else None
     if encode.nbytes(sink) < ENCODE_ON_LOOP_BELOW:
-        body = encode.payload(sink, sv.store, sv.frontend.cfg, shown)
+        body = encode.payload(sink, sv.store, sv.frontend.cfg, shown, stacked)
     else:
         body = await asyncio.get_running_loop().run_in_executor(
-            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown)
+            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown, stacked)
     sv.frontend.timing["encode_s"] += time.perf_counter() - t0
     return body
 
@@ -293,7 +296,7 @@ async def _relay(serving: Any, first: str | None, stream, sink: encode.Sink, raw
                     # uvicorn drops sends to a closed connection silently: results kept by
                     # handle now would wait for a client that left until result_ttl_s.
                     return
-                body = await _encode(serving, sink)
+                body = await _encode(serving, sink, stacked=_STACKED in _accepted(raw_request))
                 try:
                     yield encode.stream_chunk(meta, body)
                 except BaseException:     # closed at the last event: nobody gets the handles
@@ -366,7 +369,8 @@ def _create(orig):
         if hasattr(result, "model_dump"):
             # vLLM's response models allow extra fields: this one is serialised with the rest
             # (put in their dict directly: pydantic's __setattr__ is a few µs a request).
-            body = await _encode(self, sink, result if _accepts_tokens(raw_request) else None)
+            accepted = _accepted(raw_request)
+            body = await _encode(self, sink, result if _TOKENS in accepted else None, _STACKED in accepted)
             extra = getattr(result, "__pydantic_extra__", None)
             if isinstance(extra, dict):
                 extra[encode.FIELD] = body

@@ -24,7 +24,9 @@ from .store import ResultStore
 
 FORMAT = "safetensors"
 TOKENS = "tokens"        # no tensors: the tokens are the response choice's (see `bare`)
-# A request header by which a client says it reads "tokens" entries (older clients do not).
+STACKED = "stacked"      # a site's layers as one tensor (`Results.to_bytes(stacked=True)`)
+# A request header by which a client says what it reads beyond per-layer safetensors: "tokens"
+# entries, "stacked" sites (older clients read neither).
 ACCEPT_HEADER = "x-vllm-hook-accept"
 STREAM_OBJECT = "vllm_hook.results"
 FIELD = "vllm_hook"      # the response's field (non-streamed) and the stream event's
@@ -135,14 +137,14 @@ def bare(r: Results, shown: tuple[list, list] | None) -> bool:
 
 
 def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
-               shown: dict[int, tuple[list, list]] | None = None) -> dict[str, Any]:
+               shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False) -> dict[str, Any]:
     if shown is not None and bare(r, shown.get(index)):
         # `meta`: what the tokens do not tell (its "index" is the Results' own: the child of
         # an n > 1 request; the entry's is the response's choice)
         return {"index": index, "format": TOKENS, "bytes": 0, "data": None, "handle": None,
                 "errors": list(r.errors),
                 "meta": {"request_id": r.request_id, "index": r.index, "model": r.model}}
-    data = r.to_bytes()
+    data = r.to_bytes(stacked)
     entry = {"index": index, "format": FORMAT, "bytes": len(data), "data": None, "handle": None,
              "errors": list(r.errors)}
     if len(data) <= cfg.max_inline_result_bytes:
@@ -159,18 +161,19 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
 
 
 def payload(sink: Sink, store: ResultStore, cfg: HookConfig,
-            shown: dict[int, tuple[list, list]] | None = None) -> dict[str, Any]:
+            shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False) -> dict[str, Any]:
     """The `"vllm_hook"` field. `index` is the response's choice index (prompt * n + child).
     `shown`: the token ids (prompt's, generated) the response shows for each choice index
     (`shown_tokens`), for a client that reads "tokens" entries; None: safetensors only
-    (a stream, whose results event stands alone, or another client)."""
+    (a stream, whose results event stands alone, or another client). `stacked`: the client
+    reads stacked sites."""
     entries = []
     for slot, got in enumerate(sink.slots):
         if got is None:
             continue
         group = got if isinstance(got, list) else [got]
         for r in group:
-            entries.append(encode_one(r, slot * len(group) + r.index, store, cfg, shown))
+            entries.append(encode_one(r, slot * len(group) + r.index, store, cfg, shown, stacked))
     return {"results": sorted(entries, key=lambda e: e["index"])}
 
 
