@@ -553,6 +553,24 @@ def host_probe(reps: int = 7) -> dict:
             "loadavg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
 
 
+# The H100 host of run 133, the served figures of record: 12.84 / 13.06 / 13.16 ms.
+STEADY_PROBE_MS = 13.2
+
+
+def host_line(meta: dict) -> str:
+    """A report's sentence on its host (`meta["host"]`): a host slower than the one of record
+    or unsteady (runs 130 to 132, 135 to 137: native batches 1.3 to 1.7x as long, intervals 5 to
+    20x as wide) is said to be, so its ratios are read as a diagnostic."""
+    probe = (meta.get("host") or {}).get("python_loop_ms")
+    if not probe:
+        return ""
+    lo, med, hi = probe
+    slow = med > 1.15 * STEADY_PROBE_MS or hi > 1.15 * lo
+    return (f"Host probe {lo} / {med} / {hi} ms (min / median / max; run 133's steady host: "
+            f"{STEADY_PROBE_MS:g} or less)" + (": **a slow or unsteady host: a diagnostic run, not a figure "
+                                             "of record**." if slow else "."))
+
+
 def run_meta(model: str, cfg: dict, **extra) -> dict:
     """What a results file says about its run: model, shape, settings, command, versions, host."""
     return {"model": model, "shape": {k: cfg.get(k) for k in SHAPE_KEYS}, **extra, "argv": sys.argv,

@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from pool import median_ci  # noqa: E402
-from run import Record, bench_parser, model_and_base, run_meta, start, workloads  # noqa: E402
+from run import Record, bench_parser, host_line, model_and_base, run_meta, start, workloads  # noqa: E402
 
 BIG = ("capture_all_tokens_all_layers", "capture_all_tokens_all_layers_model_dtype")
 TARGETS = {("steer_add_all_layers", False): 1.03, ("steer_add_all_layers_own_scale", False): 1.03,
@@ -109,7 +109,7 @@ def report(result: dict) -> str:
     lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
              f"wall {m.get('wall_s', 0):.0f} s. Ratios: median [95 % bootstrap interval] over reps."
              + (" Prompts of lengths spread over [PROMPT / 2, 3 * PROMPT / 2)." if result.get("varied_lengths") else "")
-             + (" One SamplingParams per uniform batch." if result.get("one_params") else ""),
+             + (" One SamplingParams per uniform batch." if result.get("one_params") else "") + " " + host_line(m),
              f"Engines' threads: {json.dumps({k: v.get('threads') for k, v in result.get('startup', {}).items()})}", "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | target "
              "| frontend's garbage collection, ms: hooked / unhooked |",

@@ -51,7 +51,7 @@ from engine_worker import prompts  # noqa: E402
 from vllm_hook.gc_clock import process_clock  # noqa: E402
 from gpu_serve_check import Server, free_port, launch_command  # noqa: E402
 from pool import median_ci  # noqa: E402
-from run import Record, bench_parser, run_meta, workloads  # noqa: E402
+from run import Record, bench_parser, host_line, run_meta, workloads  # noqa: E402
 from throughput import STAGES, verdict  # noqa: E402
 from vllm_hook.client import ASYNC_LIMITS, AsyncClient  # noqa: E402
 
@@ -225,7 +225,7 @@ def report(result: dict) -> str:
     lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
              f"wall {m.get('wall_s', 0):.0f} s; served (`vllm serve`, results inline up to "
              f"{m.get('inline_bytes') or 'the default 1 MiB'} bytes, larger by handle). Ratios: median "
-             "[95 % bootstrap interval] over reps.", "",
+             "[95 % bootstrap interval] over reps. " + host_line(m), "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
              "unhooked vs native | second native vs native | native, requests/s | results delivered (MB) | "
              "MB / extra s | target | client's garbage collection, ms: hooked / unhooked |",

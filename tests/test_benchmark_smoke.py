@@ -94,6 +94,7 @@ def test_served_throughput_benchmark_smoke(tmp_path, engines):
     assert "| mixed_thirds | 8 | 16 + 4 |" in report and "| API server | engine core and workers | client | collector" in report
     # the host's single-thread speed and load, so runs on different lent hosts can be told apart
     assert len(r["meta"]["host"]["python_loop_ms"]) == 3 and r["meta"]["host"]["cpus"] >= 1
+    assert "Host probe" in report
 
 
 def test_api_server_cpu_benchmark_smoke(tmp_path, engines):
