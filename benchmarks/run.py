@@ -559,8 +559,8 @@ STEADY_PROBE_MS = 13.2
 
 def host_line(meta: dict) -> str:
     """A report's sentence on its host (`meta["host"]`): a host slower than the one of record
-    or unsteady (runs 130 to 132, 135 to 137: native batches 1.3 to 1.7x as long, intervals 5 to
-    20x as wide) is said to be, so its ratios are read as a diagnostic."""
+    or unsteady (runs 135 to 137: native batches 1.3 to 1.75x run 133's, the ratios' intervals
+    1.8 to 45x as wide) is said to be, so its ratios are read as a diagnostic."""
     probe = (meta.get("host") or {}).get("python_loop_ms")
     if not probe:
         return ""

@@ -160,6 +160,40 @@ def test_small_results_travel_inline(client):
     assert entry["format"] == "safetensors" and entry["index"] == 0 and entry["errors"] == []
 
 
+def test_stacked_sites_only_for_clients_that_read_them(server, client, refs):
+    """The plugin's clients say they read stacked sites (`x-vllm-hook-accept: tokens,
+    stacked`): a site's layers come as one tensor `{site}.*`, inline or by handle, streamed or
+    not; a request without the header (curl, openai) gets `{site}.{layer}`. Both decode to
+    the offline results."""
+    from vllm_hook.delivery.store import st_tensors
+
+    head = {"Authorization": f"Bearer {API_KEY}"}
+    for name in ("capture_last_prompt", "capture_all"):          # inline; by handle
+        ids, spec, n = CASES[name]
+        out = client.generate(ids, spec, max_tokens=n, temperature=0)
+        _check_case(name, out, refs)
+        body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": n, "temperature": 0,
+                "vllm_xargs": {"vllm_hook": json.dumps(spec)}}
+        for accept, stacked in ((None, False), ("Tokens, stacked", True)):
+            for stream in (False, True):
+                h = {**head, **({"x-vllm-hook-accept": accept} if accept else {})}
+                r = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": stream}, headers=h, timeout=120)
+                assert r.status_code == 200, r.text
+                if stream:
+                    events = [json.loads(line[5:]) for line in r.text.splitlines()
+                              if line.startswith("data:") and "[DONE]" not in line]
+                    (entry,) = [ev for ev in events if ev.get("object") == "vllm_hook.results"][0]["vllm_hook"]["results"]
+                else:
+                    (entry,) = r.json()["vllm_hook"]["results"]
+                if entry["data"] is not None:
+                    data = base64.b64decode(entry["data"])
+                else:
+                    data = httpx.get(f"{server.url}/v1/hook/results/{entry['handle']}?delete=true", headers=head).content
+                names = set(st_tensors(data)[0])
+                assert ("resid_post.*" in names) is stacked and ("resid_post.1" in names) is not stacked, (name, accept)
+                _same(vllm_hook.Results.from_bytes(data), refs[name][1], f"{name} {accept} stream={stream}")
+
+
 def test_handle_routes(server):
     """GET returns the safetensors bytes of Results.save; DELETE frees; both 404 afterwards."""
     auth = {"Authorization": f"Bearer {API_KEY}"}

@@ -161,7 +161,10 @@ class Results:
                 t = t.to(widen)
             pos = tensors[f"{name}.positions"]
             if layer == STACK:        # `to_bytes(stacked=True)`: one tensor for the site's layers
-                layers_of = layers_of or json.loads(meta["sites"])
+                layers_of = layers_of or json.loads(meta.get("sites") or "{}")
+                if len(layers_of.get(site, ())) != t.shape[0]:
+                    raise ValueError(f"stacked {site!r} holds {t.shape[0]} layers, its metadata's "
+                                     f"sites list {layers_of.get(site)}: not a vllm-hook result")
                 acts, at = out.activations.setdefault(site, {}), out.positions.setdefault(site, {})
                 for L, rows in zip(layers_of[site], t.unbind(0)):
                     acts[int(L)], at[int(L)] = rows, pos

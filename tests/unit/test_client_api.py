@@ -51,8 +51,8 @@ def test_request_json_means_what_json_dumps_meant():
 
 def test_the_server_reads_the_accept_header_from_the_asgi_scope():
     """`x-vllm-hook-accept: tokens, stacked` (what the plugin's clients send) is read from the
-    ASGI scope's raw headers, lower-case names as ASGI requires; none, another value or no
-    scope: per-layer safetensors entries only."""
+    ASGI scope's raw headers, lower-case names as ASGI requires: a comma-separated list, any
+    case, every such header; none, another value or no scope: per-layer safetensors only."""
     from types import SimpleNamespace
 
     from vllm_hook.adapters.server import _STACKED, _TOKENS, _accepted
@@ -62,33 +62,48 @@ def test_the_server_reads_the_accept_header_from_the_asgi_scope():
         return SimpleNamespace(scope={"type": "http", "headers": list(headers)})
 
     sent = _TOKENS_HEADERS["x-vllm-hook-accept"].encode()
-    assert _TOKENS in _accepted(req((b"content-type", b"application/json"), (b"x-vllm-hook-accept", sent)))
-    assert _STACKED in _accepted(req((b"x-vllm-hook-accept", sent)))
-    assert _TOKENS in _accepted(req((b"x-vllm-hook-accept", b"safetensors, tokens")))
-    assert _STACKED not in _accepted(req((b"x-vllm-hook-accept", b"tokens")))
+    assert _accepted(req((b"content-type", b"application/json"), (b"x-vllm-hook-accept", sent))) == {_TOKENS, _STACKED}
+    assert _accepted(req((b"x-vllm-hook-accept", b"safetensors, Tokens"))) == {b"safetensors", _TOKENS}
+    assert _accepted(req((b"x-vllm-hook-accept", b"tokens"), (b"x-vllm-hook-accept", b"stacked"))) == {_TOKENS, _STACKED}
+    assert _STACKED not in _accepted(req((b"x-vllm-hook-accept", b"unstacked, tokens")))
     assert _TOKENS not in _accepted(req((b"x-vllm-hook-accept", b"safetensors")))
-    assert _accepted(req((b"content-type", b"application/json"))) == b""
-    assert _accepted(req()) == b"" and _accepted(None) == b"" and _accepted(SimpleNamespace()) == b""
+    assert not _accepted(req((b"content-type", b"application/json"))) and not _accepted(req())
+    assert not _accepted(None) and not _accepted(SimpleNamespace())
 
 
-def test_a_hooked_response_renders_as_starlette_would():
-    """The completion and chat routers' JSONResponse is the plugin's (`adapters.server`): a
-    body with the "vllm_hook" field gets the field from msgspec, appended to what starlette
-    rendered of the rest; the bytes are starlette's own. Other bodies are starlette's alone."""
+def test_a_hooked_response_renders_as_starlette_would(caplog):
+    """The completion and chat routers' JSONResponse becomes the plugin's (`_patch_router`, on
+    the installed vLLM's modules; undone after): a body with the "vllm_hook" field gets the
+    field from msgspec, appended to what starlette rendered of the rest; the bytes are
+    starlette's own. Other bodies are starlette's alone. The field holds no floats (msgspec
+    writes NaN as null, where starlette raises)."""
     import base64
     import importlib
     import json
+    from types import SimpleNamespace
 
+    import torch
     from starlette.responses import JSONResponse
 
     from vllm_hook.adapters import server
+    from vllm_hook.config import HookConfig
+    from vllm_hook.results import Results
+    from vllm_hook.server import encode
     from vllm_hook.server.encode import stream_chunk, with_field
+    from vllm_hook.server.store import ResultStore
 
-    server.install()
     routers = [importlib.import_module(name) for name in server.ROUTERS]
-    assert all(getattr(m.JSONResponse, "__vllm_hook__", False) for m in routers)
-    ours = routers[0].JSONResponse
-    assert routers[1].JSONResponse is ours and issubclass(ours, JSONResponse)
+    before = [m.JSONResponse for m in routers]
+    try:
+        for m in routers:
+            server._patch_router(m)
+            server._patch_router(m)                      # once: the subclass is not wrapped again
+        assert all(getattr(m.JSONResponse, "__vllm_hook__", False) for m in routers)
+        ours = routers[0].JSONResponse
+        assert routers[1].JSONResponse is ours and ours.__mro__[1] is before[0]
+    finally:
+        for m, cls in zip(routers, before):
+            m.JSONResponse = cls
     field = {"results": [{"index": 0, "format": "safetensors", "bytes": 30, "handle": None,
                           "data": base64.b64encode(bytes(range(30))).decode(),
                           "errors": ['ünïcode "quoted"\n\\ and \u2028'], "meta": {"n": [1, 2]}}]}
@@ -102,3 +117,29 @@ def test_a_hooked_response_renders_as_starlette_would():
     assert event.startswith("data: ") and event.endswith("\n\n")
     assert json.loads(event[len("data: "):]) == {"id": "cmpl-1", "created": 3, "model": "m", "object": "vllm_hook.results",
                                                  "choices": [], "vllm_hook": field}
+    with caplog.at_level("WARNING", logger="vllm_hook"):      # a router without it: said, left as it is
+        server._patch_router(SimpleNamespace(__name__="vllm.some_router"))
+    assert "has no JSONResponse" in caplog.text
+
+    # A payload as the server makes it (a capture, a tokens entry, an error, a handle) holds
+    # nothing msgspec would write differently from the standard library: no floats.
+    cfg = HookConfig()
+    sink = encode.Sink()
+    cap = Results(request_id="a", prompt_len=2, token_ids=[1, 2, 3], errors=["x"], widen_to="float32",
+                  activations={"resid_post": {0: torch.ones(1, 4), 1: torch.ones(1, 4)}},
+                  positions={"resid_post": {0: torch.tensor([1]), 1: torch.tensor([1])}})
+    sink.fill(sink.reserve(), cap)
+    sink.fill(sink.reserve(), Results(request_id="b", prompt_len=1, token_ids=[5, 6]))
+    big = ResultStore(cfg.max_retained_bytes, 60)
+    small = HookConfig(max_inline_result_bytes=16)
+    for c in (cfg, small):
+        body = encode.payload(sink, big, c, {1: ([5], [6])}, stacked=True)
+
+        def floats(x):
+            if isinstance(x, dict):
+                return any(floats(v) for v in x.values())
+            if isinstance(x, list):
+                return any(floats(v) for v in x)
+            return isinstance(x, float)
+
+        assert not floats(body) and {e["format"] for e in body["results"]} == {"safetensors", "tokens"}

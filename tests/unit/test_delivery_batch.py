@@ -726,6 +726,21 @@ def test_stacked_sites_load_as_per_layer_ones():
     assert torch.equal(copied, torch.stack([acts["mlp_out"][L] for L in sorted(order)]))
     assert _stack(acts["attn_out"], poss["attn_out"]) is None and _stack(acts["q"], poss["q"]) is None
     assert _stack(acts["mlp_out"], {**poss["mlp_out"], 3: pos.clone()}) is None     # positions not shared
+    # a block at an offset in its storage (a request's piece of a larger one): viewed there
+    big = torch.randn(3, 4, 2, 6).bfloat16()
+    at_offset, _ = _stack({L: big[1][i] for i, L in enumerate((2, 5, 7, 9))}, {L: pos for L in (2, 5, 7, 9)})
+    assert at_offset.data_ptr() == big[1].data_ptr() and torch.equal(at_offset, big[1])
+    zero, none = torch.zeros(3, 0, 6), pos[:0]
+    assert _stack({L: zero[L] for L in range(3)}, {L: none for L in range(3)})[0].shape == (3, 0, 6)
+    # stacked bytes whose metadata lists other layers than the tensor holds: a clear error
+    import json
+
+    from vllm_hook.delivery.store import st_bytes, st_tensors
+
+    tensors, meta = st_tensors(r.to_bytes(stacked=True))
+    meta["sites"] = json.dumps({**json.loads(meta["sites"]), "resid_post": [3, 9]})
+    with pytest.raises(ValueError, match="stacked 'resid_post' holds 4 layers"):
+        Results.from_bytes(st_bytes(tensors, meta))
     per_layer, stacked = Results.from_bytes(r.to_bytes()), Results.from_bytes(r.to_bytes(stacked=True))
     assert len(r.to_bytes(stacked=True)) < len(r.to_bytes())
     for got in (per_layer, stacked):

@@ -234,19 +234,20 @@ def _error(serving: Any, err: SpecError):
     return serving.create_error_response(str(err), err_type=err_type, status_code=HTTPStatus(status))
 
 
-def _accepted(raw_request: Any) -> bytes:
-    """What the HTTP client says it reads (`encode.ACCEPT_HEADER`: "tokens", "stacked"), as
-    the header's raw value; empty without it."""
+def _accepted(raw_request: Any) -> frozenset[bytes]:
+    """What the HTTP client says it reads (`encode.ACCEPT_HEADER`, a comma-separated list:
+    "tokens", "stacked"; every such header, any case); empty without one."""
     # The ASGI scope's raw headers (lower-case names): starlette's Headers.get walks them
     # through Mapping's generic get, several µs a request.
     scope = getattr(raw_request, "scope", None)
-    for name, value in (scope.get("headers") or ()) if isinstance(scope, dict) else ():
-        if name == _ACCEPT:
-            return value
-    return b""
+    got = [value for name, value in ((scope.get("headers") or ()) if isinstance(scope, dict) else ())
+           if name == _ACCEPT]
+    if not got:
+        return _NONE
+    return frozenset(part.strip().lower() for value in got for part in value.split(b","))
 
 
-_ACCEPT = encode.ACCEPT_HEADER.encode("latin-1")
+_ACCEPT, _NONE = encode.ACCEPT_HEADER.encode("latin-1"), frozenset()
 _TOKENS, _STACKED = encode.TOKENS.encode("latin-1"), encode.STACKED.encode("latin-1")
 
 
@@ -391,7 +392,8 @@ ROUTERS = ("vllm.entrypoints.openai.completion.api_router",
 def _rendering(base: type) -> type:
     """`base` (starlette's JSONResponse), but a body with the `"vllm_hook"` field has the rest
     rendered by `base` and the field appended by `encode.with_field`: the standard library's
-    json, which `base` uses, took most of a captured request's API-server time (run 134)."""
+    json, which `base` uses, was the largest single part of a captured request's API-server
+    time on a lent GPU host (run 134)."""
     cls = _RENDERING.get(base)
     if cls is None:
         def render(self, content: Any) -> bytes:
