@@ -120,8 +120,9 @@ class Results:
         return self.path
 
     def to_bytes(self, stacked: bool = False) -> bytes:
-        """The bytes of the file `save` writes (what served mode sends to clients). `stacked`:
-        each site whose layers share their positions, shape and dtype as one tensor
+        """The bytes of the file `save` writes (what served mode sends to other clients). With
+        `stacked` (what the plugin's clients are sent): each site whose layers share their
+        positions, shape and dtype as one tensor
         `{site}.*` [layers ascending, rows, ...] and one `{site}.*.positions` (served, to a
         client that reads it: 3 tensors instead of 9 for 4 layers, each a cost to encode);
         `from_bytes` and `load` read both."""
