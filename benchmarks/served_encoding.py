@@ -66,7 +66,7 @@ def main() -> None:
     body = {"id": "cmpl-0123456789abcdef", "object": "text_completion", "created": 1, "model": "m",
             "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}],
             "usage": {"prompt_tokens": 128, "completion_tokens": 128, "total_tokens": 256},
-            "vllm_hook": encode.payload(_sink(encode, r), kept, cfg)}
+            "vllm_hook": {"results": [encode.encode_one(r, 0, kept, cfg)]}}     # what `payload` makes of it
     ours = _rendering(JSONResponse)
     out = {
         "host": host_probe(), "python": platform.python_version(), "safetensors": safetensors.__version__,
@@ -88,11 +88,6 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
 
-
-def _sink(encode, r):
-    sink = encode.Sink()
-    sink.fill(sink.reserve(), r)
-    return sink
 
 
 if __name__ == "__main__":
