@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -393,6 +394,9 @@ def _lens_view(out: Any, r: Results, layers: tuple[int, ...]) -> None:
             r.errors.append(f"output_residual_stream: {e}")
 
 
+EAGER = sys.version_info >= (3, 12)      # tasks that start at once (`eager_start`)
+
+
 class FetchBatcher:
     """Served mode: requests that finish together share one fetch RPC and one payload.
 
@@ -416,7 +420,13 @@ class FetchBatcher:
         loop = asyncio.get_running_loop()
         b = _Batch(keys, loop.create_future(), Opened())
         b.done.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
-        loop.create_task(self._flush(b, turns))
+        flush = self._flush(b, turns)
+        if turns == 0 and EAGER:
+            # Run up to the RPC's reply now: the fetch leaves before vLLM processes the step's
+            # outputs (a scheduled task would wait for all of them, a chunk of 128 requests)
+            asyncio.Task(flush, loop=loop, eager_start=True)
+        else:
+            loop.create_task(flush)
         return b
 
     def prefetch(self, request_ids: Sequence[str]) -> None:
