@@ -900,3 +900,24 @@ def test_a_steering_only_result_is_the_one_build_makes(n, wire, model_dtype):
     for a, b in zip(*(x if isinstance(x, list) else [x] for x in (fast, slow)), strict=True):
         assert a == b and Results.from_bytes(a.to_bytes()) == Results.from_bytes(b.to_bytes())
     assert isinstance(fast, list) == (n > 1)
+
+
+def test_safetensors_header_read_by_msgspec_or_the_standard_library():
+    """`store._header`: what msgspec reads equals json.loads's; a header msgspec refuses (NaN,
+    which only a hand-made file holds) is read by the standard library."""
+    import json
+    import struct
+
+    from vllm_hook.delivery.store import _header, st_tensors
+
+    def blob(text: str) -> bytes:
+        head = text.encode()
+        return struct.pack("<Q", len(head)) + head + struct.pack("<f", 1.5)
+
+    text = '{"__metadata__":{"k":"v"},"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    assert _header(blob(text)) == (json.loads(text), 8 + len(text))
+    tensors, meta = st_tensors(blob(text))
+    assert meta == {"k": "v"} and tensors["x"].tolist() == [1.5]
+    odd = text[:-1] + ',"y":NaN}'
+    got, at = _header(blob(odd))
+    assert at == 8 + len(odd) and got["x"] == json.loads(text)["x"] and got["y"] != got["y"]
