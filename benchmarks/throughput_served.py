@@ -57,7 +57,8 @@ from vllm_hook.client import ASYNC_LIMITS, AsyncClient  # noqa: E402
 
 KEY = "bench-key"
 VECTOR = "bench_a"
-SERVED_STAGES = {**STAGES, "frontend.encode_s": "encode (safetensors; inline or a handle)"}
+SERVED_STAGES = {**STAGES, "frontend.read_ahead_s": "read ahead (fetched while decoding)",
+                 "frontend.encode_s": "encode (safetensors; inline or a handle)"}
 
 
 def server_args(args) -> list[str]:
@@ -195,7 +196,10 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
     after = await counters(drivers["plugin"])
     res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows,
            "host_us_per_request": {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / (n * reps)
-                                   for k, label in SERVED_STAGES.items()}}
+                                   for k, label in SERVED_STAGES.items()},
+           # the hooked requests fetched while they decoded (`FetchBatcher.hold`), a share
+           "fetched_while_decoding": (after.get("frontend.fetched_while_running", 0)
+                                      - before.get("frontend.fetched_while_running", 0)) / (n * reps)}
     for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s"),
                           ("unhooked_vs_native", "unhooked_s", "native_s"), ("native_b_vs_native", "native_b_s", "native_s")):
         if num in rows[0]:

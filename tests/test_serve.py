@@ -289,29 +289,38 @@ def test_concurrent_requests_stay_isolated(server, refs):
         _check_case(name, out, refs)
 
 
-def test_requests_finishing_together_share_one_fetch(server, client, refs):
+@pytest.mark.parametrize("name", ["capture_generated", "capture_last_prompt"])
+def test_requests_finishing_together_share_one_fetch(server, client, refs, name):
     """One HTTP request with 32 prompts: vLLM adds them at once, they run in the same engine
     steps and finish together (vLLM schedules the first alone: 2 RPCs measured), and their
-    results come in one fetch RPC per finishing step, not 32, sent as the step comes back;
-    each equals its solo offline run. (Concurrent clients reach this 2-core server over 50-150 ms, finish
-    over several steps and share one RPC per step: 3 to 19 RPCs for 32 in 13 runs.)"""
+    results come in one fetch RPC per step, not 32; each equals its solo offline run.
+    A capture of generated tokens is fetched as its finishing step comes back; one complete at
+    the prompt (last prompt token) as its first token comes back, while it decodes
+    (`FetchBatcher.hold`): nothing is fetched at its finish. (Concurrent clients reach this
+    2-core server over 50-150 ms, finish over several steps and share one RPC per step: 3 to
+    19 RPCs for 32 in 13 runs.)"""
     openai = pytest.importorskip("openai")
     oc = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
-    ids, spec, n = CASES["capture_last_prompt"]
-    tokens, ref = refs["capture_last_prompt"]
+    ids, spec, n = CASES[name]
+    tokens, ref = refs[name]
     before = client.health()["frontend"]
     resp = oc.completions.create(model=tiny_model("qwen2"), prompt=[ids] * 32, max_tokens=n, temperature=0,
                                  extra_body={"vllm_xargs": {"vllm_hook": json.dumps(spec)}})
     after = client.health()["frontend"]
     fetches = after["fetches"] - before["fetches"]
-    # each sent as its engine step came back, before vLLM processed it (`FetchBatcher.prefetch`)
-    assert after["early_fetches"] - before["early_fetches"] == fetches
+    held = after["fetched_while_running"] - before["fetched_while_running"]
+    at_finish = after["early_fetches"] - before["early_fetches"]
+    if name == "capture_last_prompt":
+        assert (held, at_finish) == (32, 0)
+    else:
+        # each sent as its engine step came back, before vLLM processed it (`FetchBatcher.prefetch`)
+        assert held == 0 and at_finish == fetches
     got = client.results_of(resp)
     assert len(got) == 32
     for r in got:
         assert r.token_ids == list(ids) + tokens
         _same(r, ref, "32 prompts in one request")
-    print(f"\n[served fetch batching] {fetches} fetch RPCs for 32 requests")
+    print(f"\n[served fetch batching] {name}: {fetches} fetch RPCs for 32 requests")
     assert fetches <= 3, f"{fetches} fetch RPCs for 32 requests"
 
 

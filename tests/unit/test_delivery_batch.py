@@ -142,7 +142,7 @@ def test_served_fetch_leaves_as_the_engine_step_comes_back():
         await asyncio.sleep(0.01)
         return [{"entries": {k: [{"j": 0, "req_id": k}] for k in args[1]}, "batch": b"payload"}]
 
-    res = {f"r{i}": SimpleNamespace(key=f"k{i}", ticket=0) for i in range(4)}
+    res = {f"r{i}": SimpleNamespace(key=f"k{i}", ticket=0, held=False) for i in range(4)}
     st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), arena_tokens=(),
                          timing={"fetch_rpc_s": 0.0, "fetches": 0, "early_fetches": 0},
                          pending={rid: (0.0, r) for rid, r in res.items()})
@@ -172,6 +172,96 @@ def test_served_fetch_leaves_as_the_engine_step_comes_back():
 
     asyncio.run(main())
     assert st.timing["early_fetches"] == 4 and st.timing["fetches"] == 5
+
+
+def test_served_fetch_of_requests_complete_at_their_prompt_while_they_decode():
+    """FetchBatcher.hold: requests whose first token came back and whose results were
+    complete at their prompt are fetched at once, in one RPC; at their finish no fetch
+    leaves for them (`prefetch` skips them) and `entries` takes their rows from the held
+    batch; an aborted one's key is let go; FirstTokens maps the engine's ids (assigned after
+    admission) to the external ones and is bounded."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm_hook.frontend.delivery import FetchBatcher, FirstTokens
+
+    calls = []
+
+    async def rpc(method, args):
+        calls.append(args[:2])
+        await asyncio.sleep(0.01)
+        return [{"entries": {k: [{"j": 0, "req_id": k}] for k in args[1]}, "batch": b"payload"}]
+
+    res = {f"r{i}": SimpleNamespace(key=f"k{i}", ticket=0, held=False, dtype="float32") for i in range(4)}
+    st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), arena_tokens=(), info=SimpleNamespace(dtype="bfloat16"),
+                         timing={"fetch_rpc_s": 0.0, "fetches": 0, "early_fetches": 0,
+                                 "fetched_while_running": 0, "read_ahead_s": 0.0},
+                         pending={rid: (0.0, r) for rid, r in res.items()})
+    fb = FetchBatcher(st, rpc)
+
+    async def main():
+        fb.hold(["r0", "r1", "unknown"])
+        fb.hold(["r0"])                                   # held once
+        await asyncio.sleep(0.02)
+        assert calls == [("fetch", ["k0", "k1"])]
+        fb.prefetch(["r0", "r1", "r2"])                   # their finish: only r2 is fetched
+        await asyncio.sleep(0)
+        assert calls == [("fetch", ["k0", "k1"]), ("fetch", ["k2"])]
+        got = await asyncio.gather(fb.entries("k0"), fb.entries("k1"), fb.entries("k2"))
+        assert [g[0][0]["req_id"] for g in got] == ["k0", "k1", "k2"]
+        assert got[0][1] is got[1][1] and got[2][1] is not got[0][1]
+        assert not fb._held
+        fb.hold(["r3"])
+        fb.forget(["k3"])                                 # aborted while decoding
+        assert not fb._held
+        await asyncio.sleep(0.02)
+
+    asyncio.run(main())
+    assert st.timing["fetched_while_running"] == 3 and st.timing["fetches"] == 3
+
+    ft = FirstTokens(SimpleNamespace(pending={"a": 0}))
+    assert not ft
+    reqs = [SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")]
+    ft.add(reqs[0], "a")
+    ft.add(reqs[1], "b")
+    reqs[0].request_id, reqs[1].request_id = "a-0000abcd", "b-0000abcd"   # assigned by vLLM later
+    assert ft and ft.watching(lambda r: r.request_id) == {"a-0000abcd": "a", "b-0000abcd": "b"}
+    ft.MAX = 1
+    ft.add(SimpleNamespace(request_id="c-1"), "c")
+    assert ft.watching(lambda r: r.request_id) == {"a-0000abcd": "a"}   # b, c: no longer pending
+
+
+def test_collector_settle_waits_only_for_the_fetched_requests_copies():
+    """Collector.settle: completed copies are handed over; of those in flight, it waits up to
+    the last one holding rows of the fetched requests (in order), not for later ones."""
+    from vllm_hook.delivery.collector import Collector
+    from vllm_hook.routing import Segment
+
+    class Event:
+        def __init__(self, done):
+            self.done, self.waited = done, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+    delivered = []
+    col = Collector([torch.zeros(8, 4)], lambda seg, rows, blocked=False: delivered.append(seg.owner))
+    a, b, c = object(), object(), object()
+
+    def seg(owner, start):
+        return Segment(owner, (0,), start, np.array([0]), False)
+
+    hosts = {0: torch.zeros(3, 4)}
+    events = [Event(True), Event(False), Event(False)]
+    for ev, owner, start in zip(events, (a, b, c), range(3)):
+        col._pending.append((ev, hosts, [seg(owner, start)], []))
+    col.settle({b})
+    assert delivered == [a, b] and events[1].waited and not events[2].waited and col.in_flight == 1
+    col.settle({object()})                       # no rows in flight: nothing waited for
+    assert col.in_flight == 1 and not events[2].waited
 
 
 def test_arena_lends_pieces_and_reuses_a_range_only_when_both_sides_let_go(monkeypatch):
@@ -463,7 +553,7 @@ def test_offline_fetch_pauses_the_collector_from_the_rpc_on():
         seen.append((args[0], gc.isenabled()))
         raise RuntimeError("worker gone")
 
-    res = SimpleNamespace(key="k0", ticket=0)
+    res = SimpleNamespace(key="k0", ticket=0, held=False)
     st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), timing={"fetch_rpc_s": 0.0, "fetches": 0},
                          pop_pending=lambda rid: res if rid == "r0" else None, early=None)
     out = SimpleNamespace(request_id="r0", finished=True, prompt_token_ids=[1, 2],
@@ -493,7 +583,7 @@ def test_attach_takes_an_early_fetchs_keys_from_its_reply():
     def early_reply(timeout):
         raise RuntimeError("early reply lost")
 
-    ress = {f"r{i}": SimpleNamespace(key=f"k{i}", ticket=0) for i in range(3)}
+    ress = {f"r{i}": SimpleNamespace(key=f"k{i}", ticket=0, held=False) for i in range(3)}
     st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), timing={"fetch_rpc_s": 0.0, "fetches": 0, "early_fetches": 0},
                          pending={rid: (0.0, r) for rid, r in ress.items()}, early=None, arena_tokens=())
     st.pop_pending = lambda rid: st.pending.pop(rid, (0, None))[1]

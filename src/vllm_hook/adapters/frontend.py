@@ -14,6 +14,7 @@ from .patching import wrap_method, when_imported
 
 PROMPT_INDEX = "_vllm_hook_prompt_index"
 EARLY = "_vllm_hook_early"            # on an OutputProcessor while an offline call runs
+FIRST = "_vllm_hook_first"            # served: its FetchBatcher (`hold` at first tokens)
 log = logging.getLogger("vllm_hook")
 
 
@@ -194,6 +195,12 @@ def _process_outputs(orig):
     call's fetch before vLLM processes the step's outputs."""
 
     def process_outputs(self, engine_core_outputs, *args, **kwargs):
+        batcher = self.__dict__.get(FIRST)
+        if batcher is not None and batcher.first_tokens and engine_core_outputs:
+            try:
+                _first_tokens(batcher, engine_core_outputs)
+            except Exception:       # they are fetched at their finish, as they would have
+                log.exception("vllm_hook: fetching requests at their first token failed")
         early = self.__dict__.get(EARLY)
         if early is not None and engine_core_outputs:
             try:
@@ -204,6 +211,24 @@ def _process_outputs(orig):
                 log.exception("vllm_hook: sending an early fetch failed")
         return orig(self, engine_core_outputs, *args, **kwargs)
     return process_outputs
+
+
+def _first_tokens(batcher, outputs) -> None:
+    """Served: the watched requests (`FirstTokens`) of this step that sampled their first
+    token and go on are fetched now (`FetchBatcher.hold`)."""
+    watch = batcher.first_tokens.watching(lambda r: r.request_id)
+    go = []
+    for o in outputs:
+        rid = watch.pop(o.request_id, None)
+        if rid is None:
+            continue
+        if o.finish_reason is None:
+            if o.new_token_ids:
+                go.append(rid)
+            else:              # an output without a token yet: watched on
+                watch[o.request_id] = rid
+    if go:
+        batcher.hold(go)
 
 
 def _abort_request(orig):

@@ -37,7 +37,7 @@ from ..server.store import ResultStore
 from ..spec.errors import SpecError, UnknownVectorError
 from ..spec.lens import has_lens_args, translate
 from ..spec.schema import SPEC_KEY
-from .frontend import EARLY
+from .frontend import EARLY, FIRST
 from .patching import when_imported, wrap_method
 
 log = logging.getLogger("vllm_hook")
@@ -102,8 +102,11 @@ def _batcher(engine: Any, st: FrontendState) -> FetchBatcher:
     if b is None:
         b = engine.__dict__[BATCHER_ATTR] = FetchBatcher(st, engine.collective_rpc)
         # The requests each engine step finishes are fetched before vLLM turns the step into
-        # outputs (`adapters.frontend._process_outputs`), not once their generators ask.
+        # outputs (`adapters.frontend._process_outputs`), not once their generators ask; those
+        # complete at their prompt, as their first token comes back (`FetchBatcher.hold`).
         engine.output_processor.__dict__[EARLY] = lambda ids, last: b.prefetch(ids)
+        engine.output_processor.__dict__[FIRST] = b
+        st.first_tokens = b.first_tokens
     return b
 
 

@@ -115,23 +115,49 @@ class Collector:
     def drain(self, wait: bool = False) -> None:
         if wait:
             self.close_run()
-        while self._pending:
-            head = self._pending[0]
-            run = isinstance(head, DecodeRun)
-            if not (head.ready() if run else head[0].query()):
-                if not wait:
-                    return
-                t = time.perf_counter()
-                if run:
-                    head.wait()
-                else:
-                    head[0].synchronize()
-                self.wait_s += time.perf_counter() - t
-            self._pending.popleft()
-            if run:
-                head.hand_over(self.deliver, self._keep)
+        while self._pending and self._drain_head(wait):
+            pass
+
+    def settle(self, owners: set) -> None:
+        """Hand over every completed copy, and wait only for those holding rows of `owners`
+        (requests being fetched): a request fetched while others run (`worker.runtime._take`)
+        does not wait for their steps in flight."""
+        self.drain()
+        last = -1
+        for i, item in enumerate(self._pending):
+            if isinstance(item, DecodeRun):
+                segs = item.template.segments
             else:
-                self._hand_over(*head[1:])
+                segs = [*item[2], *(seg for seg, _ in item[3])]
+            if any(seg.owner in owners for seg in segs):
+                last = i
+        if last < 0:
+            return
+        if self._run is not None and self._pending[last] is self._run:
+            self.close_run()
+        for _ in range(last + 1):
+            self._drain_head(wait=True)
+
+    def _drain_head(self, wait: bool) -> bool:
+        """Hand over the oldest pending copies once done (`wait`: waiting for them); whether
+        they were."""
+        head = self._pending[0]
+        run = isinstance(head, DecodeRun)
+        if not (head.ready() if run else head[0].query()):
+            if not wait:
+                return False
+            t = time.perf_counter()
+            if run:
+                head.wait()
+            else:
+                head[0].synchronize()
+            self.wait_s += time.perf_counter() - t
+        self._pending.popleft()
+        if run:
+            head.hand_over(self.deliver, self._keep)
+        else:
+            self._hand_over(*head[1:])
+        return True
 
     def _hand_over(self, hosts, segments: list[Segment], extras) -> None:
         parts = self._keep_or_copy(hosts, segments) if self.on_device else _slices(hosts, segments)

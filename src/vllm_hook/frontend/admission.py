@@ -178,4 +178,7 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
     if res.hooks or st.persistent_hooks:
         _hooked(request, sp)
     st.add_pending(request_id, res)
+    if st.first_tokens is not None and not st.persistent_hooks and getattr(sp, "n", 1) == 1 \
+            and res.whole_at_prefill:
+        st.first_tokens.add(request, request_id)      # fetched once its prompt is done
 

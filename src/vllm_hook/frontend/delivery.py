@@ -8,6 +8,7 @@ import resource
 import sys
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -239,7 +240,7 @@ def fetch_keys(st: FrontendState, request_ids: Sequence[str]) -> list[str]:
     keys = []
     for rid in request_ids:
         item = st.pending.get(rid)
-        if item is not None and not nothing_to_fetch(st, item[1], count=False):
+        if item is not None and not item[1].held and not nothing_to_fetch(st, item[1], count=False):
             keys.append(item[1].key)
     return keys
 
@@ -410,15 +411,18 @@ class FetchBatcher:
     JOIN_TURNS = 4
     MAX_EARLY = 4096         # keys fetched before their request asked (`prefetch`), unclaimed
     EARLY_TTL_S = 60.0       # a request claims its key milliseconds after its step: kept 60 s
+    MAX_HELD = 65536         # keys fetched while their requests decode (`hold`), unclaimed
 
     def __init__(self, st: FrontendState, rpc: Callable[..., Any]):
         self.st, self.rpc = st, rpc          # rpc: the engine's async collective_rpc
         self._open: _Batch | None = None
         self._early: dict[str, tuple[_Batch, float]] = {}      # key -> (batch, monotonic time)
+        self._held: dict[str, _Batch] = {}                      # key -> batch
+        self.first_tokens = FirstTokens(st)
 
-    def _batch(self, keys: list[str], turns: int) -> "_Batch":
+    def _batch(self, keys: list[str], turns: int, read_as: str | None = None) -> "_Batch":
         loop = asyncio.get_running_loop()
-        b = _Batch(keys, loop.create_future(), Opened())
+        b = _Batch(keys, loop.create_future(), Opened(), read_as)
         b.done.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
         flush = self._flush(b, turns)
         if turns == 0 and EAGER:
@@ -446,14 +450,40 @@ class FetchBatcher:
         while early and (len(early) > self.MAX_EARLY or now - next(iter(early.values()))[1] > self.EARLY_TTL_S):
             early.pop(next(iter(early)))
 
+    def hold(self, request_ids: Sequence[str]) -> None:
+        """Requests (external ids) that have just sampled their first token and whose results
+        were complete at their prompt (`Resolved.whole_at_prefill`): fetched now, while they
+        decode, not when they finish (with the batch: an RPC's round trip after its last
+        step). Each key is kept until its request claims it (`entries`) or is aborted
+        (`forget`); beyond MAX_HELD unclaimed, the oldest go (their requests, if any, find
+        no results and say so)."""
+        keys, dtypes = [], set()
+        for rid in request_ids:
+            item = self.st.pending.get(rid)
+            if item is not None and not item[1].held:
+                item[1].held = True
+                keys.append(item[1].key)
+                # read as an HTTP response will (`results_for`, wire)
+                dtypes.add("model" if _widens(self.st, item[1], True) else item[1].dtype)
+        if not keys:
+            return
+        self.st.timing["fetched_while_running"] += len(keys)
+        b, held = self._batch(keys, 0, dtypes.pop() if len(dtypes) == 1 else None), self._held
+        for k in keys:
+            held[k] = b
+        while len(held) > self.MAX_HELD:
+            held.pop(next(iter(held)))
+
     def forget(self, keys: Sequence[str]) -> None:
         """Aborted requests: an early fetch's results they will not claim."""
         for k in keys:
             self._early.pop(k, None)
+            self._held.pop(k, None)
 
     async def entries(self, key: str) -> tuple[list[dict], "Opened"]:
-        got = self._early.pop(key, None)
-        b = got[0] if got is not None else None
+        b = self._held.pop(key, None)
+        got = self._early.pop(key, None) if b is None else None
+        b = got[0] if got is not None else b
         if b is None:
             b = self._open
             if b is None:
@@ -483,10 +513,61 @@ class FetchBatcher:
                 log.exception("vllm_hook: discarding the unfetched results failed too")
             b.done.set_exception(e)
         else:
+            if b.read_as is not None:
+                t1 = time.perf_counter()
+                _read_ahead(b.opened, merged, b.read_as)
+                self.st.timing["read_ahead_s"] += time.perf_counter() - t1
             b.done.set_result(merged)
         finally:
             self.st.timing["fetch_rpc_s"] += time.perf_counter() - t
             self.st.timing["fetches"] += 1
+
+
+class FirstTokens:
+    """Requests whose results are complete at their prompt, until their first token comes
+    back (`FetchBatcher.hold` then fetches them). They are noted at admission with their
+    engine request, whose id vLLM completes only after admission (an internal suffix)."""
+
+    MAX = 4096
+
+    def __init__(self, st: FrontendState):
+        self.st = st
+        # (engine request, external id); a deque: 0.33 admits on a thread beside the loop
+        self._new: deque[tuple[Any, str]] = deque()
+        self._by_id: dict[str, str] = {}            # engine id -> external id
+
+    def add(self, request: Any, request_id: str) -> None:
+        self._new.append((request, request_id))
+
+    def __bool__(self) -> bool:
+        return bool(self._new or self._by_id)
+
+    def watching(self, id_of: Callable[[Any], str]) -> dict[str, str]:
+        """Engine id -> external id of every watched request (`id_of`: an engine request's
+        id); the caller pops each as its first token comes back."""
+        by_id = self._by_id
+        if self._new:
+            new = self._new
+            while new:
+                request, rid = new.popleft()
+                by_id[id_of(request)] = rid
+            if len(by_id) > self.MAX:        # aborted before their first token
+                pending = self.st.pending
+                for eid in [e for e, rid in by_id.items() if rid not in pending]:
+                    del by_id[eid]
+        return by_id
+
+
+def _read_ahead(opened: Opened, merged: dict[str, list[dict]], dtype: str) -> None:
+    """Read a held batch's payloads now, while its requests decode: at their finish each
+    request's rows are a lookup (`Opened.part`). A failure is left for then, where it is
+    reported per request."""
+    try:
+        for entries in merged.values():
+            for e in entries:
+                opened.part(e, dtype)
+    except Exception:
+        log.debug("vllm_hook: reading a held batch ahead failed", exc_info=True)
 
 
 @dataclass
@@ -494,6 +575,7 @@ class _Batch:
     keys: list[str]
     done: asyncio.Future
     opened: Opened
+    read_as: str | None = None      # read its payloads once fetched, in this dtype (`hold`)
 
 
 def failed(output: Any, message: str) -> Results | list[Results]:

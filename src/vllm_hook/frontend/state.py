@@ -45,12 +45,16 @@ class FrontendState:
     # served responses' results into safetensors, inline or kept for a handle).
     timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("admitted", "admit_s", "fetches", "fetch_rpc_s", "rpc_to_worker_s", "rpc_back_s", "read_s",
-         "build_s", "read_build_page_faults", "encode_s", "delivered_without_fetch", "early_fetches"), 0.0))
+         "build_s", "read_build_page_faults", "encode_s", "delivered_without_fetch", "early_fetches",
+         "fetched_while_running", "read_ahead_s"), 0.0))
     # Each rank's result arena (its token; None: none), as the last fetch's replies named
     # them: where a steering-only request's clean mark is read (`delivery.arena`).
     arena_tokens: tuple = ()
     # An offline call's fetch sent at its last step (`frontend.delivery.Early`), until `attach`.
     early: Any = None
+    # Served: requests whose results are complete at their prompt, until their first token
+    # (`frontend.delivery.FirstTokens`); None offline.
+    first_tokens: Any = None
     # Tickets: a random prefix (several frontends of one engine never share a tag) and a count.
     _tickets: Iterator[int] = field(default_factory=lambda: itertools.count(
         (secrets.randbits(30) + 1) << 32 | 1))

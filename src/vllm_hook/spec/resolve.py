@@ -147,10 +147,20 @@ class Resolved:
     # capture_bytes by (prompt length, total length), shared by the copies the frontend cache hands out
     worst_bytes: dict = field(default_factory=dict, repr=False, compare=False)
 
+    held: bool = False             # fetched while it decodes (`FetchBatcher.hold`)
+
     @property
     def fetches(self) -> bool:
         """Whether its results are more than its tokens (worker errors always are)."""
         return bool(self.items or self.hooks)
+
+    @property
+    def whole_at_prefill(self) -> bool:
+        """Its results are complete once its prompt is processed: captures of prompt tokens
+        only (no generated token, steering or hook), which workers route no more after it."""
+        return bool(self.items) and not self.hooks and not self.wire.get("steer") and all(
+            it["sel"] in ("prompt", "last_prompt") or (it["sel"] == "pos" and it["pos"][-1] < self.prompt_len)
+            for it in self.items)
 
 
 def _selector(sel: Selector, prompt_len: int, where: str) -> tuple[str, list[int]]:

@@ -513,6 +513,8 @@ class HookRuntime:
 
     def _reactivate(self, req_id: str) -> None:
         req = self.requests[req_id]
+        if req.fetched:                  # (preempted after its early fetch): nothing to route
+            return
         if req.routes.steer or req.routes.capture or req.hooks:
             self.active[req_id] = req
 
@@ -733,16 +735,17 @@ class HookRuntime:
     # ---- RPC -------------------------------------------------------------------------------
     def _take(self, keys: list[str]):
         """Every unfetched request (n>1: every child) with one of `keys`, marked fetched and
-        forgotten as it is yielded (its steps may still be in flight: drain first)."""
-        self.collector.drain(wait=True)
+        forgotten as it is yielded. Their copies still in flight are waited for, not the other
+        requests' (a request may be fetched while the batch decodes: `FetchBatcher.hold`)."""
         wanted = set(keys)
         # Finished requests (the common case) were released at their finish: they leave
         # `done` as they are taken. Requests still running (vLLM tells workers of a finish in
-        # the next step) are finished here and never routed again.
+        # the next step; or fetched once their prompt was done) are never routed again.
         taken = [(rid, req) for rid, req in self.done.items() if req.key in wanted and not req.fetched]
-        for rid, _ in taken:
-            del self.done[rid]
         taken += [(rid, req) for rid, req in self.requests.items() if req.key in wanted and not req.fetched]
+        self.collector.settle({req for _, req in taken})
+        for rid, _ in taken:
+            self.done.pop(rid, None)
         for rid, req in taken:
             if req.hooks is not None:
                 self._finish_hooks(req)
