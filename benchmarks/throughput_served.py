@@ -57,7 +57,7 @@ from vllm_hook.client import ASYNC_LIMITS, AsyncClient  # noqa: E402
 
 KEY = "bench-key"
 VECTOR = "bench_a"
-SERVED_STAGES = {**STAGES, "frontend.read_ahead_s": "read ahead (fetched while decoding)",
+SERVED_STAGES = {**STAGES, "frontend.read_ahead_s": "read, build, encode ahead (fetched while decoding)",
                  "frontend.encode_s": "encode (safetensors; inline or a handle)"}
 
 

@@ -324,6 +324,32 @@ def test_requests_finishing_together_share_one_fetch(server, client, refs, name)
     assert fetches <= 3, f"{fetches} fetch RPCs for 32 requests"
 
 
+def test_results_complete_at_the_prompt_are_made_while_it_decodes(server, client, refs):
+    """A capture of prompt tokens only is fetched as the request's first token comes back
+    (`FetchBatcher.hold`), its Results built and, for a client that reads tokenless
+    safetensors (the plugin's clients), its entry data made then too (`encode.Ready`): the
+    entry is marked "tokens": "choice" and reads back equal to the offline run; another
+    client gets full safetensors of the same Results."""
+    for name in ("capture_last_prompt", "capture_positions"):
+        ids, spec, n = CASES[name]
+        tokens, ref = refs[name]
+        before = client.health()["frontend"]
+        out = client.generate(ids, spec, max_tokens=n, temperature=0)
+        after = client.health()["frontend"]
+        assert after["fetched_while_running"] - before["fetched_while_running"] == 1
+        assert after["delivered_built_ahead"] - before["delivered_built_ahead"] == 1
+        assert after["early_fetches"] == before["early_fetches"]          # none at the finish
+        (entry,) = out.raw["vllm_hook"]["results"]
+        assert entry["format"] == "safetensors" and entry["tokens"] == "choice"
+        _check_case(name, out, refs)
+        body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": n, "temperature": 0,
+                "vllm_xargs": {"vllm_hook": json.dumps(spec)}}
+        (e,) = httpx.post(f"{server.url}/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"}).json()["vllm_hook"]["results"]
+        assert "tokens" not in e
+        _same(vllm_hook.Results.from_bytes(base64.b64decode(e["data"])), ref, name)
+
+
 def test_steering_only_requests_need_no_fetch(server, client, refs):
     """Served steering-only requests whose workers marked them clean (`delivery.arena`) come
     back with no fetch RPC, steered as the same steering with a capture beside it."""

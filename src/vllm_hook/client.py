@@ -28,7 +28,7 @@ import pybase64
 from .hooks.hook import Hook
 from .hooks.state import decode_collected
 from .results import Results
-from .server.encode import ACCEPT_HEADER, STACKED, TOKENS, shown_tokens
+from .server.encode import ACCEPT_HEADER, CHOICE, STACKED, TOKENLESS, TOKENS, shown_tokens
 from .spec.errors import SpecError, UnknownVectorError
 from .spec.schema import SPEC_KEY, HookSpec
 from .spec.vectors import encode_vector
@@ -147,7 +147,7 @@ def _as_json(body: Any, tokens: bool = False) -> dict:
 
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
-_TOKENS_HEADERS = {**_JSON_HEADERS, ACCEPT_HEADER: f"{TOKENS}, {STACKED}"}
+_TOKENS_HEADERS = {**_JSON_HEADERS, ACCEPT_HEADER: f"{TOKENS}, {STACKED}, {TOKENLESS}"}
 
 
 def _loads(resp: httpx.Response) -> Any:
@@ -244,7 +244,8 @@ def _from_choice(entry: dict, choices: dict) -> Results:
 
 def _choices_for(entries: list[dict], response: Any) -> dict:
     """`shown_tokens(response)` where an entry needs them."""
-    return shown_tokens(response) if any(e.get("format") == TOKENS for e in entries) else {}
+    return shown_tokens(response) if any(e.get("format") == TOKENS or e.get("tokens") == CHOICE
+                                         for e in entries) else {}
 
 
 def _decode(entry: dict, data: bytes | None, choices: dict) -> Results:
@@ -259,6 +260,12 @@ def _decode(entry: dict, data: bytes | None, choices: dict) -> Results:
     for e in entry.get("errors") or []:
         if e not in r.errors:
             r.errors.append(e)
+    if entry.get("tokens") == CHOICE:          # tokenless safetensors: the choice's tokens
+        prompt, gen = choices.get(entry["index"], (None, None))
+        if prompt is None or gen is None or len(prompt) != r.prompt_len:
+            r.errors.append(f"the response carries no token ids for choice {entry['index']}")
+        else:
+            r.token_ids = [*prompt, *gen]
     return r
 
 

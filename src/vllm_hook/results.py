@@ -78,12 +78,12 @@ class Results:
             raise HookRuntimeError(f"request {self.request_id}: " + "; ".join(self.errors))
         return self
 
-    def _payload(self, stacked: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def _payload(self, stacked: bool = False, tokens: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         # numpy converts a list of ints about 3x faster than torch.tensor (39 -> 13 µs for 256
         # ids, a third of a steering-only result's served encoding). int32: every vocabulary
         # fits, and a served result's bytes (base64 inside JSON, escaped and parsed at both
         # ends) are mostly its token ids when it has no activations.
-        tensors = {"token_ids": torch.from_numpy(np.array(self.token_ids, dtype=np.int32))}
+        tensors = {"token_ids": torch.from_numpy(np.array(self.token_ids, dtype=np.int32))} if tokens else {}
         for site, per_layer in self.activations.items():     # may share memory: `st_bytes`
             pos = self.positions[site]
             block = _stack(per_layer, pos) if stacked else None
@@ -119,19 +119,22 @@ class Results:
         self.path = str(path)
         return self.path
 
-    def to_bytes(self, stacked: bool = False) -> bytes:
+    def to_bytes(self, stacked: bool = False, tokens: bool = True) -> bytes:
         """The bytes of the file `save` writes (what served mode sends to other clients). With
         `stacked` (what the plugin's clients are sent): each site whose layers share their
         positions, shape and dtype as one tensor
         `{site}.*` [layers ascending, rows, ...] and one `{site}.*.positions` (served, to a
         client that reads it: 3 tensors instead of 9 for 4 layers, each a cost to encode);
-        `from_bytes` and `load` read both."""
-        tensors, meta = self._payload(stacked)
+        `from_bytes` and `load` read both. Without `tokens` (served, to a client whose
+        response shows the tokens: `server.encode`) there is no `token_ids` tensor: such bytes
+        can be made before the request's last token."""
+        tensors, meta = self._payload(stacked, tokens)
         return st_bytes(tensors, meta)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> "Results":
-        """Inverse of `to_bytes`."""
+        """Inverse of `to_bytes` (bytes made without `tokens`: no token ids, the caller's to
+        set)."""
         return cls._from(*st_tensors(blob, _widened), None)
 
     @classmethod
@@ -145,7 +148,7 @@ class Results:
     @classmethod
     def _from(cls, tensors: dict[str, torch.Tensor], meta: dict, path: str | None) -> "Results":
         out = cls(request_id=meta.get("request_id", ""), prompt_len=int(meta.get("prompt_len", 0)),
-                  token_ids=tensors.pop("token_ids").tolist(), index=int(meta.get("index", 0)),
+                  token_ids=_token_list(tensors.pop("token_ids", None)), index=int(meta.get("index", 0)),
                   model=meta.get("model", ""), errors=_loads(meta.get("errors", "[]"), list),
                   path=path)
         out.heads = {s: {int(k): v for k, v in d.items()}
@@ -176,6 +179,10 @@ class Results:
 
 
 STACK = "*"      # the layer part of a stacked site's name: `{site}.*`
+
+
+def _token_list(t: torch.Tensor | None) -> list[int]:
+    return t.tolist() if t is not None else []
 
 
 def _stack(per_layer: dict[int, torch.Tensor], pos: dict[int, torch.Tensor]

@@ -50,19 +50,20 @@ def test_request_json_means_what_json_dumps_meant():
 
 
 def test_the_server_reads_the_accept_header_from_the_asgi_scope():
-    """`x-vllm-hook-accept: tokens, stacked` (what the plugin's clients send) is read from the
+    """`x-vllm-hook-accept: tokens, stacked, tokenless` (what the plugin's clients send) is read from the
     ASGI scope's raw headers, lower-case names as ASGI requires: a comma-separated list, any
     case, every such header; none, another value or no scope: per-layer safetensors only."""
     from types import SimpleNamespace
 
-    from vllm_hook.adapters.server import _STACKED, _TOKENS, _accepted
+    from vllm_hook.adapters.server import _STACKED, _TOKENLESS, _TOKENS, _accepted
     from vllm_hook.client import _TOKENS_HEADERS
 
     def req(*headers):
         return SimpleNamespace(scope={"type": "http", "headers": list(headers)})
 
     sent = _TOKENS_HEADERS["x-vllm-hook-accept"].encode()
-    assert _accepted(req((b"content-type", b"application/json"), (b"x-vllm-hook-accept", sent))) == {_TOKENS, _STACKED}
+    assert _accepted(req((b"content-type", b"application/json"), (b"x-vllm-hook-accept", sent))) == {
+        _TOKENS, _STACKED, _TOKENLESS}
     assert _accepted(req((b"x-vllm-hook-accept", b"safetensors, Tokens"))) == {b"safetensors", _TOKENS}
     assert _accepted(req((b"x-vllm-hook-accept", b"tokens"), (b"x-vllm-hook-accept", b"stacked"))) == {_TOKENS, _STACKED}
     assert _STACKED not in _accepted(req((b"x-vllm-hook-accept", b"unstacked, tokens")))
@@ -143,3 +144,43 @@ def test_a_hooked_response_renders_as_starlette_would(caplog):
             return isinstance(x, float)
 
         assert not floats(body) and {e["format"] for e in body["results"]} == {"safetensors", "tokens"}
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_tokenless_results_read_their_tokens_from_the_choice(ahead):
+    """A client that reads tokenless safetensors (`TOKENLESS`) and whose response shows the
+    choice's tokens gets the results without token ids, the entry marked "tokens": "choice",
+    made at the finish or ahead (`Ready`, while the request decoded); it reads back the same
+    Results as from full safetensors. A choice that shows other tokens, or a client that does
+    not read them, gets full safetensors."""
+    import pybase64
+    import torch
+
+    from vllm_hook.client import _decode
+    from vllm_hook.config import HookConfig
+    from vllm_hook.results import Results
+    from vllm_hook.server import encode
+    from vllm_hook.server.store import ResultStore
+
+    r = Results(request_id="cmpl-1-0", prompt_len=3, token_ids=[5, 6, 7, 8, 9], model="m")
+    for L in (1, 2):
+        r.activations.setdefault("resid_post", {})[L] = torch.randn(1, 8).to(torch.bfloat16)
+        r.positions.setdefault("resid_post", {})[L] = torch.tensor([2])
+    r.widen_to = "float32"
+    if ahead:
+        r.__dict__[encode.READY] = encode.Ready(r, True)
+    cfg, store = HookConfig(), ResultStore(1 << 20, 60)
+    shown = {0: ([5, 6, 7], [8, 9])}
+    entry = encode.encode_one(r, 0, store, cfg, shown, stacked=True, tokenless=True)
+    full = encode.encode_one(r, 0, store, cfg, shown, stacked=True)
+    assert entry["tokens"] == encode.CHOICE and "tokens" not in full and entry["bytes"] < full["bytes"]
+    got = _decode(entry, pybase64.b64decode(entry["data"]), shown)
+    ref = _decode(full, pybase64.b64decode(full["data"]), {})
+    assert got.token_ids == ref.token_ids == r.token_ids and got.prompt_len == 3 and got.ok
+    for L in (1, 2):
+        assert torch.equal(got.activations["resid_post"][L], ref.activations["resid_post"][L])
+        assert got.activations["resid_post"][L].dtype == torch.float32
+    other = encode.encode_one(r, 0, store, cfg, {0: ([5, 6, 7], [8])}, stacked=True, tokenless=True)
+    assert "tokens" not in other and _decode(other, pybase64.b64decode(other["data"]), {}).token_ids == r.token_ids
+    # the choice missing at the client: said, not guessed
+    assert not _decode(entry, pybase64.b64decode(entry["data"]), {}).ok

@@ -192,10 +192,10 @@ def test_served_fetch_of_requests_complete_at_their_prompt_while_they_decode():
         await asyncio.sleep(0.01)
         return [{"entries": {k: [{"j": 0, "req_id": k}] for k in args[1]}, "batch": b"payload"}]
 
-    res = {f"r{i}": SimpleNamespace(key=f"k{i}", ticket=0, held=False, dtype="float32") for i in range(4)}
+    res = {f"r{i}": SimpleNamespace(key=f"k{i}", ticket=0, held=False, dtype="float32", save_dir=None) for i in range(4)}
     st = SimpleNamespace(cfg=HookConfig(result_spill_dir=None), arena_tokens=(), info=SimpleNamespace(dtype="bfloat16"),
                          timing={"fetch_rpc_s": 0.0, "fetches": 0, "early_fetches": 0,
-                                 "fetched_while_running": 0, "read_ahead_s": 0.0},
+                                 "fetched_while_running": 0, "read_ahead_s": 0.0, "read_s": 0.0, "build_s": 0.0},
                          pending={rid: (0.0, r) for rid, r in res.items()})
     fb = FetchBatcher(st, rpc)
 

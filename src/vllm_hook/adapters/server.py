@@ -28,7 +28,7 @@ from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
-from ..frontend.delivery import FetchBatcher, delivered, failed, nothing_to_fetch, results_for
+from ..frontend.delivery import FetchBatcher, delivered, failed, nothing_to_fetch, results_for, with_tokens
 from ..frontend.state import FrontendState, maybe_state, state_of
 from ..results import ATTR, Results
 from ..server import encode
@@ -120,11 +120,15 @@ async def _fetch(engine: Any, request_id: str, view: Any, wire: bool) -> Results
         st.pop_pending(request_id)
         return results_for(st, view, [], res, wire=wire)
     try:
-        entries, opened = await _batcher(engine, st).entries(res.key)
+        entries, opened, ahead = await _batcher(engine, st).entries(res.key)
         # Forgotten only now: if the client goes away during the fetch, the abort that
         # follows still finds the request and discards its results on the workers.
         st.pop_pending(request_id)
-        got = results_for(st, view, entries, res, opened, wire=wire)
+        got = with_tokens(ahead, view) if wire else None
+        if got is None:
+            got = results_for(st, view, entries, res, opened, wire=wire)
+        else:
+            st.timing["delivered_built_ahead"] += 1
         delivered()
         return got
     except Exception as e:  # the generation succeeded: report, never fail the HTTP request
@@ -252,12 +256,14 @@ def _accepted(raw_request: Any) -> frozenset[bytes]:
 
 _ACCEPT, _NONE = encode.ACCEPT_HEADER.encode("latin-1"), frozenset()
 _TOKENS, _STACKED = encode.TOKENS.encode("latin-1"), encode.STACKED.encode("latin-1")
+_TOKENLESS = encode.TOKENLESS.encode("latin-1")
 
 
-async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked: bool = False) -> dict:
+async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked: bool = False,
+                  tokenless: bool = False) -> dict:
     """The `"vllm_hook"` field; `response`: the non-streamed response whose choices show
     their tokens, for a client that reads "tokens" entries (else None); `stacked`: the client
-    reads stacked sites."""
+    reads stacked sites; `tokenless`: tokenless safetensors."""
     sv = served_of(serving.engine_client)
     # Serialising large captures is CPU work: off the event loop, on one thread of our own (a
     # batch's large results queued in the default pool held back vLLM's own work there, and
@@ -266,12 +272,13 @@ async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked
     # while the loop runs, more than the encoding itself.
     t0 = time.perf_counter()
     # (a response whose results all carry rows has no "tokens" entry: its choices not read)
-    shown = encode.shown_tokens(response) if response is not None and encode.any_tokens_only(sink) else None
+    shown = (encode.shown_tokens(response) if response is not None and (tokenless or encode.any_tokens_only(sink))
+             else None)
     if encode.nbytes(sink) < ENCODE_ON_LOOP_BELOW:
-        body = encode.payload(sink, sv.store, sv.frontend.cfg, shown, stacked)
+        body = encode.payload(sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless)
     else:
         body = await asyncio.get_running_loop().run_in_executor(
-            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown, stacked)
+            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless)
     sv.frontend.timing["encode_s"] += time.perf_counter() - t0
     return body
 
@@ -374,7 +381,8 @@ def _create(orig):
             # vLLM's response models allow extra fields: this one is serialised with the rest
             # (put in their dict directly: pydantic's __setattr__ is a few µs a request).
             accepted = _accepted(raw_request)
-            body = await _encode(self, sink, result if _TOKENS in accepted else None, _STACKED in accepted)
+            body = await _encode(self, sink, result if _TOKENS in accepted else None, _STACKED in accepted,
+                                 _TOKENLESS in accepted)
             extra = getattr(result, "__pydantic_extra__", None)
             if isinstance(extra, dict):
                 extra[encode.FIELD] = body

@@ -9,7 +9,7 @@ import sys
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -457,30 +457,64 @@ class FetchBatcher:
         step). Each key is kept until its request claims it (`entries`) or is aborted
         (`forget`); beyond MAX_HELD unclaimed, the oldest go (their requests, if any, find
         no results and say so)."""
-        keys, dtypes = [], set()
+        keys, dtypes, rids = [], set(), {}
         for rid in request_ids:
             item = self.st.pending.get(rid)
             if item is not None and not item[1].held:
                 item[1].held = True
                 keys.append(item[1].key)
+                rids[item[1].key] = rid
                 # read as an HTTP response will (`results_for`, wire)
                 dtypes.add("model" if _widens(self.st, item[1], True) else item[1].dtype)
         if not keys:
             return
         self.st.timing["fetched_while_running"] += len(keys)
         b, held = self._batch(keys, 0, dtypes.pop() if len(dtypes) == 1 else None), self._held
+        b.rids = rids
         for k in keys:
             held[k] = b
         while len(held) > self.MAX_HELD:
             held.pop(next(iter(held)))
 
+    def _build_ahead(self, b: "_Batch", merged: dict[str, list[dict]]) -> None:
+        """A held batch's Results, built now (while their requests decode) for an HTTP
+        response, their tokens left to set (`ready`), with their inline entry data made
+        ahead (`server.encode.Ready`: tokenless, stacked, as the plugin's clients read it)."""
+        from ..server.encode import READY, Ready
+
+        st, limit = self.st, self.st.cfg.max_inline_result_bytes
+        # counted as ahead (`read_ahead_s`), not as the finish's read and build
+        counted = st.timing["read_s"], st.timing["build_s"]
+        with no_gc(), one_thread():
+            for key, rid in b.rids.items():
+                item = st.pending.get(rid)
+                if item is None or item[1].save_dir:
+                    continue
+                res = item[1]
+                try:
+                    # prompt tokens: placeholders of the prompt's length (`build` reads only
+                    # that), replaced at the finish
+                    shell = _Shell(rid, [0] * res.prompt_len)
+                    r = _built(st, shell, merged.get(key, []), res, b.opened, True)
+                    ready = Ready(r, True)
+                    if ready.nbytes <= limit:
+                        r.__dict__[READY] = ready
+                    b.built[key] = r
+                except Exception:        # built at the finish instead, where a failure is reported
+                    log.debug("vllm_hook: building a held request's results ahead failed", exc_info=True)
+        st.timing["read_s"], st.timing["build_s"] = counted
+
     def forget(self, keys: Sequence[str]) -> None:
         """Aborted requests: an early fetch's results they will not claim."""
         for k in keys:
             self._early.pop(k, None)
-            self._held.pop(k, None)
+            b = self._held.pop(k, None)
+            if b is not None:
+                b.built.pop(k, None)
 
-    async def entries(self, key: str) -> tuple[list[dict], "Opened"]:
+    async def entries(self, key: str) -> tuple[list[dict], "Opened", Results | None]:
+        """The entries of `key`'s request in its batch's reply, the batch's `Opened`, and the
+        Results built ahead for it (`hold`; else None)."""
         b = self._held.pop(key, None)
         got = self._early.pop(key, None) if b is None else None
         b = got[0] if got is not None else b
@@ -491,7 +525,7 @@ class FetchBatcher:
             b.keys.append(key)
         # shield: a waiter whose client went away must not cancel the others' fetch
         merged = await asyncio.shield(b.done)
-        return merged.get(key, []), b.opened
+        return merged.get(key, []), b.opened, b.built.pop(key, None)
 
     async def _flush(self, b: "_Batch", turns: int) -> None:
         for _ in range(turns):
@@ -515,7 +549,11 @@ class FetchBatcher:
         else:
             if b.read_as is not None:
                 t1 = time.perf_counter()
-                _read_ahead(b.opened, merged, b.read_as)
+                try:
+                    _read_ahead(b.opened, merged, b.read_as)
+                    self._build_ahead(b, merged)
+                except Exception:    # read and built at the finish instead
+                    log.exception("vllm_hook: reading a held batch ahead failed")
                 self.st.timing["read_ahead_s"] += time.perf_counter() - t1
             b.done.set_result(merged)
         finally:
@@ -570,12 +608,34 @@ def _read_ahead(opened: Opened, merged: dict[str, list[dict]], dtype: str) -> No
         log.debug("vllm_hook: reading a held batch ahead failed", exc_info=True)
 
 
+def with_tokens(r: Results | None, view: Any) -> Results | None:
+    """`r`, built ahead (`FetchBatcher.hold`), given the finished request's tokens (`view`:
+    its output's request id, prompt and generated token ids); None where they do not fit."""
+    outs = list(getattr(view, "outputs", None) or ())
+    prompt = view.prompt_token_ids or []
+    if r is None or len(outs) != 1 or r.prompt_len != len(prompt) or r.request_id != str(view.request_id):
+        return None
+    r.token_ids = [*prompt, *outs[0].token_ids]
+    return r
+
+
+@dataclass
+class _Shell:
+    """What `_built` reads of an output, before the request's finish."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: tuple = ()
+
+
 @dataclass
 class _Batch:
     keys: list[str]
     done: asyncio.Future
     opened: Opened
     read_as: str | None = None      # read its payloads once fetched, in this dtype (`hold`)
+    rids: dict = field(default_factory=dict)       # held: key -> request id
+    built: dict = field(default_factory=dict)      # held: key -> Results built ahead
 
 
 def failed(output: Any, message: str) -> Results | list[Results]:

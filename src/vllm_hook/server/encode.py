@@ -25,8 +25,12 @@ from .store import ResultStore
 FORMAT = "safetensors"
 TOKENS = "tokens"        # no tensors: the tokens are the response choice's (see `bare`)
 STACKED = "stacked"      # a site's layers as one tensor (`Results.to_bytes(stacked=True)`)
+# safetensors without token ids, the entry marked "tokens": "choice": its choice in the
+# response shows them (`Results.to_bytes(tokens=False)`; such bytes may be made early, `Ready`)
+TOKENLESS = "tokenless"
+CHOICE = "choice"
 # A request header by which a client says what it reads beyond per-layer safetensors: "tokens"
-# entries, "stacked" sites (older clients read neither).
+# entries, "stacked" sites, "tokenless" safetensors (older clients read none).
 ACCEPT_HEADER = "x-vllm-hook-accept"
 STREAM_OBJECT = "vllm_hook.results"
 FIELD = "vllm_hook"      # the response's field (non-streamed) and the stream event's
@@ -130,23 +134,52 @@ def bare(r: Results, shown: tuple[list, list] | None) -> bool:
     entry needs no safetensors, the client builds the same Results from the choice (a
     steering-only request: encoding and decoding them were most of what serving its results
     cost)."""
-    if shown is None or not _rowless(r):
+    return _rowless(r) and _shows(r, shown)
+
+
+class Ready:
+    """A result's inline entry data made ahead (while its request decoded): its tokenless
+    safetensors (`Results.to_bytes(stacked, tokens=False)`) in base64, kept on the Results
+    (`READY`) and used by `encode_one` when the client reads tokenless sites, stacked alike."""
+
+    __slots__ = ("stacked", "data", "nbytes")
+
+    def __init__(self, r: Results, stacked: bool):
+        blob = r.to_bytes(stacked, tokens=False)
+        self.stacked, self.nbytes = stacked, len(blob)
+        self.data = pybase64.b64encode_as_string(blob)
+
+
+READY = "_vllm_hook_ready"      # a Results' `Ready`, in its __dict__
+
+
+def _shows(r: Results, shown: tuple[list, list] | None) -> bool:
+    """Whether the response's choice shows exactly `r`'s tokens (`shown`: prompt's, generated)."""
+    if shown is None:
         return False
     prompt, gen = shown
     return r.prompt_len == len(prompt) and r.token_ids == [*prompt, *gen]
 
 
 def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
-               shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False) -> dict[str, Any]:
+               shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False,
+               tokenless: bool = False) -> dict[str, Any]:
     if shown is not None and bare(r, shown.get(index)):
         # `meta`: what the tokens do not tell (its "index" is the Results' own: the child of
         # an n > 1 request; the entry's is the response's choice)
         return {"index": index, "format": TOKENS, "bytes": 0, "data": None, "handle": None,
                 "errors": list(r.errors),
                 "meta": {"request_id": r.request_id, "index": r.index, "model": r.model}}
-    data = r.to_bytes(stacked)
+    choice = tokenless and shown is not None and _shows(r, shown.get(index))
+    ready = r.__dict__.get(READY) if choice else None
+    if ready is not None and ready.stacked == stacked and ready.nbytes <= cfg.max_inline_result_bytes:
+        return {"index": index, "format": FORMAT, "bytes": ready.nbytes, "data": ready.data,
+                "handle": None, "errors": list(r.errors), "tokens": CHOICE}
+    data = r.to_bytes(stacked, tokens=not choice)
     entry = {"index": index, "format": FORMAT, "bytes": len(data), "data": None, "handle": None,
              "errors": list(r.errors)}
+    if choice:
+        entry["tokens"] = CHOICE
     if len(data) <= cfg.max_inline_result_bytes:
         # SIMD base64 (a vLLM dependency): 15 KB in 1 µs, the standard library's 22 µs
         entry["data"] = pybase64.b64encode_as_string(data)
@@ -161,19 +194,20 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
 
 
 def payload(sink: Sink, store: ResultStore, cfg: HookConfig,
-            shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False) -> dict[str, Any]:
+            shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False,
+            tokenless: bool = False) -> dict[str, Any]:
     """The `"vllm_hook"` field. `index` is the response's choice index (prompt * n + child).
     `shown`: the token ids (prompt's, generated) the response shows for each choice index
     (`shown_tokens`), for a client that reads "tokens" entries; None: safetensors only
     (a stream, whose results event stands alone, or another client). `stacked`: the client
-    reads stacked sites."""
+    reads stacked sites; `tokenless`: tokenless safetensors (with `shown`)."""
     entries = []
     for slot, got in enumerate(sink.slots):
         if got is None:
             continue
         group = got if isinstance(got, list) else [got]
         for r in group:
-            entries.append(encode_one(r, slot * len(group) + r.index, store, cfg, shown, stacked))
+            entries.append(encode_one(r, slot * len(group) + r.index, store, cfg, shown, stacked, tokenless))
     return {"results": sorted(entries, key=lambda e: e["index"])}
 
 
