@@ -350,6 +350,32 @@ def test_results_complete_at_the_prompt_are_made_while_it_decodes(server, client
         _same(vllm_hook.Results.from_bytes(base64.b64decode(e["data"])), ref, name)
 
 
+def test_a_request_aborted_after_its_early_fetch_leaves_nothing(server, client):
+    """A streamed capture of the last prompt token, its client gone after the first event:
+    its results were fetched as that token came back (`FetchBatcher.hold`); the abort drops
+    them in the API server, and nothing is left there or on the workers."""
+    ids, spec, _ = CASES["capture_last_prompt"]
+    before = client.health()["frontend"]
+    body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True, "vllm_xargs": {"vllm_hook": json.dumps(spec)}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                break
+    deadline = time.monotonic() + 60
+    while True:
+        h = client.health()
+        w = h["workers"][0]
+        if (h["pending_requests"], h["held_results"], w["admitted"], w["results_waiting"]) == (0, 0, 0, 0):
+            break
+        assert time.monotonic() < deadline, h
+        time.sleep(0.2)
+    assert h["frontend"]["fetched_while_running"] - before["fetched_while_running"] == 1
+    assert h["frontend"]["delivered_built_ahead"] == before["delivered_built_ahead"]
+    _good_request_works(client)
+
+
 def test_steering_only_requests_need_no_fetch(server, client, refs):
     """Served steering-only requests whose workers marked them clean (`delivery.arena`) come
     back with no fetch RPC, steered as the same steering with a capture beside it."""

@@ -504,6 +504,10 @@ class FetchBatcher:
                     log.debug("vllm_hook: building a held request's results ahead failed", exc_info=True)
         st.timing["read_s"], st.timing["build_s"] = counted
 
+    def held(self) -> int:
+        """Results fetched while their requests decode, not claimed yet (`hold`)."""
+        return len(self._held)
+
     def forget(self, keys: Sequence[str]) -> None:
         """Aborted requests: an early fetch's results they will not claim."""
         for k in keys:

@@ -82,6 +82,7 @@ async def health(request: Request):
         "retained_results": {"count": st.count, "bytes": st.bytes, "max_bytes": st.max_bytes,
                              "ttl_s": st.ttl_s, "dropped": st.dropped},
         "pending_requests": len(sv.frontend.pending),
+        "held_results": _held(engine),
         "vectors": sorted(sv.frontend.names),
         "hooks": {"layers": sorted(cfg.layers_of(cfg.hook_layers, sv.frontend.info.num_layers)),
                   "operator_hooks": _operator_hooks(cfg),
@@ -91,6 +92,14 @@ async def health(request: Request):
                    "max_request_bytes": cfg.max_request_bytes},
         "workers": workers,
     }
+
+
+def _held(engine) -> int:
+    """Results fetched while their requests decode, waiting for their finish (`FetchBatcher`)."""
+    from ..adapters.server import BATCHER_ATTR
+
+    b = engine.__dict__.get(BATCHER_ATTR)
+    return b.held() if b is not None else 0
 
 
 def _operator_hooks(cfg: HookConfig) -> dict[str, str]:
