@@ -229,6 +229,14 @@ def test_served_fetch_of_requests_complete_at_their_prompt_while_they_decode():
     ft.MAX = 1
     ft.add(SimpleNamespace(request_id="c-1"), "c")
     assert ft.watching(lambda r: r.request_id) == {"a-0000abcd": "a"}   # b, c: no longer pending
+    # admitted on another thread, its engine id not assigned yet: watched once it is
+    late = SimpleNamespace(request_id="a", assigned=False)
+    ft.MAX = 4096
+    ft.add(late, "a")
+    ids = lambda r: r.request_id if getattr(r, "assigned", True) else None   # noqa: E731
+    assert ft.watching(ids) == {"a-0000abcd": "a"}
+    late.request_id, late.assigned = "a-1111abcd", True
+    assert ft.watching(ids) == {"a-0000abcd": "a", "a-1111abcd": "a"}
 
 
 def test_collector_settle_waits_only_for_the_fetched_requests_copies():

@@ -213,10 +213,17 @@ def _process_outputs(orig):
     return process_outputs
 
 
+def _engine_id(request) -> str | None:
+    """An admitted EngineCoreRequest's engine id; None until vLLM assigned it (releases with
+    `external_req_id` set it with the internal id, after admission, which 0.32 and later may
+    run on a thread beside the event loop for raw prompts)."""
+    return request.request_id if getattr(request, "external_req_id", "") is not None else None
+
+
 def _first_tokens(batcher, outputs) -> None:
     """Served: the watched requests (`FirstTokens`) of this step that sampled their first
     token and go on are fetched now (`FetchBatcher.hold`)."""
-    watch = batcher.first_tokens.watching(lambda r: r.request_id)
+    watch = batcher.first_tokens.watching(_engine_id)
     go = []
     for o in outputs:
         rid = watch.pop(o.request_id, None)

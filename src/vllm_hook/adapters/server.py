@@ -243,7 +243,7 @@ def _error(serving: Any, err: SpecError):
 
 def _accepted(raw_request: Any) -> frozenset[bytes]:
     """What the HTTP client says it reads (`encode.ACCEPT_HEADER`, a comma-separated list:
-    "tokens", "stacked"; every such header, any case); empty without one."""
+    "tokens", "stacked", "tokenless"; every such header, any case); empty without one."""
     # The ASGI scope's raw headers (lower-case names): starlette's Headers.get walks them
     # through Mapping's generic get, several µs a request.
     scope = getattr(raw_request, "scope", None)

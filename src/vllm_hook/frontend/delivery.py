@@ -27,10 +27,12 @@ RPC = "vllm_hook_call"
 log = logging.getLogger("vllm_hook")
 
 
-def fetch_args(st: FrontendState, keys: list[str]) -> tuple:
+def fetch_args(st: FrontendState, keys: list[str], running: bool = False) -> tuple:
     """The RPC arguments that fetch (and forget) the workers' results of `keys`: where to
-    spill, and the workers' arenas this process has mapped (they may lend from those)."""
-    return ("fetch", keys, spill_target(st.cfg.result_spill_dir), ARENAS.tokens())
+    spill, and the workers' arenas this process has mapped (they may lend from those);
+    `running`: requests still decoding (`FetchBatcher.hold`)."""
+    args = ("fetch", keys, spill_target(st.cfg.result_spill_dir), ARENAS.tokens())
+    return (*args, True) if running else args
 
 
 def checked(replies: Sequence[Any]) -> Sequence[Any]:
@@ -412,6 +414,7 @@ class FetchBatcher:
     MAX_EARLY = 4096         # keys fetched before their request asked (`prefetch`), unclaimed
     EARLY_TTL_S = 60.0       # a request claims its key milliseconds after its step: kept 60 s
     MAX_HELD = 65536         # keys fetched while their requests decode (`hold`), unclaimed
+    PRUNE_HELD = 4096        # beyond this many, those whose requests are gone are dropped
 
     def __init__(self, st: FrontendState, rpc: Callable[..., Any]):
         self.st, self.rpc = st, rpc          # rpc: the engine's async collective_rpc
@@ -473,8 +476,14 @@ class FetchBatcher:
         b.rids = rids
         for k in keys:
             held[k] = b
+        if len(held) > self.PRUNE_HELD:
+            # keys whose requests left without claiming them (their pending record dropped)
+            pending = self.st.pending
+            for k in [k for k, hb in held.items() if hb.rids.get(k) not in pending]:
+                held.pop(k).built.pop(k, None)
         while len(held) > self.MAX_HELD:
-            held.pop(next(iter(held)))
+            k = next(iter(held))
+            held.pop(k).built.pop(k, None)
 
     def _build_ahead(self, b: "_Batch", merged: dict[str, list[dict]]) -> None:
         """A held batch's Results, built now (while their requests decode) for an HTTP
@@ -488,7 +497,7 @@ class FetchBatcher:
         with no_gc(), one_thread():
             for key, rid in b.rids.items():
                 item = st.pending.get(rid)
-                if item is None or item[1].save_dir:
+                if item is None or item[1].key != key or item[1].save_dir:
                     continue
                 res = item[1]
                 try:
@@ -496,9 +505,10 @@ class FetchBatcher:
                     # that), replaced at the finish
                     shell = _Shell(rid, [0] * res.prompt_len)
                     r = _built(st, shell, merged.get(key, []), res, b.opened, True)
-                    ready = Ready(r, True)
-                    if ready.nbytes <= limit:
-                        r.__dict__[READY] = ready
+                    # inline results only, and small (on the event loop: larger ones are
+                    # encoded at the finish, off the loop)
+                    if _nbytes(r) <= min(limit, READY_BELOW):
+                        r.__dict__[READY] = Ready(r, True)
                     b.built[key] = r
                 except Exception:        # built at the finish instead, where a failure is reported
                     log.debug("vllm_hook: building a held request's results ahead failed", exc_info=True)
@@ -539,7 +549,7 @@ class FetchBatcher:
         t, sent = time.perf_counter(), time.monotonic()
         replies = None
         try:
-            replies = await self.rpc(RPC, args=fetch_args(self.st, b.keys))
+            replies = await self.rpc(RPC, args=fetch_args(self.st, b.keys, running=bool(b.rids)))
             count_rpc(self.st, replies, sent)
             merged = merge_ranks(replies, self.st)
             b.opened.expect(merged)
@@ -550,19 +560,19 @@ class FetchBatcher:
             except Exception:
                 log.exception("vllm_hook: discarding the unfetched results failed too")
             b.done.set_exception(e)
-        else:
-            if b.read_as is not None:
-                t1 = time.perf_counter()
-                try:
-                    _read_ahead(b.opened, merged, b.read_as)
-                    self._build_ahead(b, merged)
-                except Exception:    # read and built at the finish instead
-                    log.exception("vllm_hook: reading a held batch ahead failed")
-                self.st.timing["read_ahead_s"] += time.perf_counter() - t1
-            b.done.set_result(merged)
+            return
         finally:
             self.st.timing["fetch_rpc_s"] += time.perf_counter() - t
             self.st.timing["fetches"] += 1
+        if b.read_as is not None:
+            t1 = time.perf_counter()
+            try:
+                _read_ahead(b.opened, merged, b.read_as)
+                self._build_ahead(b, merged)
+            except Exception:    # read and built at the finish instead
+                log.exception("vllm_hook: reading a held batch ahead failed")
+            self.st.timing["read_ahead_s"] += time.perf_counter() - t1
+        b.done.set_result(merged)
 
 
 class FirstTokens:
@@ -584,15 +594,20 @@ class FirstTokens:
     def __bool__(self) -> bool:
         return bool(self._new or self._by_id)
 
-    def watching(self, id_of: Callable[[Any], str]) -> dict[str, str]:
+    def watching(self, id_of: Callable[[Any], str | None]) -> dict[str, str]:
         """Engine id -> external id of every watched request (`id_of`: an engine request's
-        id); the caller pops each as its first token comes back."""
+        id, None while vLLM has not assigned it); the caller pops each as its first token
+        comes back."""
         by_id = self._by_id
         if self._new:
             new = self._new
-            while new:
+            for _ in range(len(new)):
                 request, rid = new.popleft()
-                by_id[id_of(request)] = rid
+                eid = id_of(request)
+                if eid is not None:
+                    by_id[eid] = rid
+                elif len(new) < self.MAX or rid in self.st.pending:
+                    new.append((request, rid))    # admitted on another thread, its id not yet assigned
             if len(by_id) > self.MAX:        # aborted before their first token
                 pending = self.st.pending
                 for eid in [e for e, rid in by_id.items() if rid not in pending]:
@@ -610,6 +625,13 @@ def _read_ahead(opened: Opened, merged: dict[str, list[dict]], dtype: str) -> No
                 opened.part(e, dtype)
     except Exception:
         log.debug("vllm_hook: reading a held batch ahead failed", exc_info=True)
+
+
+READY_BELOW = 256 << 10      # bytes of activations: encoded ahead on the event loop below this
+
+
+def _nbytes(r: Results) -> int:
+    return sum(t.numel() * t.element_size() for per_layer in r.activations.values() for t in per_layer.values())
 
 
 def with_tokens(r: Results | None, view: Any) -> Results | None:

@@ -513,7 +513,7 @@ class HookRuntime:
 
     def _reactivate(self, req_id: str) -> None:
         req = self.requests[req_id]
-        if req.fetched:                  # (preempted after its early fetch): nothing to route
+        if req.fetched and req.hooks is None:     # preempted after its early fetch: nothing to route
             return
         if req.routes.steer or req.routes.capture or req.hooks:
             self.active[req_id] = req
@@ -733,10 +733,13 @@ class HookRuntime:
                   "vllm_hook.max_inflight_capture_bytes")
 
     # ---- RPC -------------------------------------------------------------------------------
-    def _take(self, keys: list[str]):
+    def _take(self, keys: list[str], running: bool = False):
         """Every unfetched request (n>1: every child) with one of `keys`, marked fetched and
         forgotten as it is yielded. Their copies still in flight are waited for, not the other
-        requests' (a request may be fetched while the batch decodes: `FetchBatcher.hold`)."""
+        requests' (a request may be fetched while the batch decodes: `FetchBatcher.hold`).
+        `running`: fetched while they decode (their spec has no hooks of its own); hooks they
+        run still (persistent ones, registered after the frontend admitted them) go on until
+        their finish, their results to the persistent store."""
         wanted = set(keys)
         # Finished requests (the common case) were released at their finish: they leave
         # `done` as they are taken. Requests still running (vLLM tells workers of a finish in
@@ -747,30 +750,41 @@ class HookRuntime:
         for rid, _ in taken:
             self.done.pop(rid, None)
         for rid, req in taken:
+            if req.hooks is not None and running and rid in self.requests:
+                req.fetched = True
+                yield rid, req, self._take_store(req)
+                continue
             if req.hooks is not None:
                 self._finish_hooks(req)
             if rid in self.active:
                 del self.active[rid]
-            store, req.store, req.fetched = req.store, RequestStore(), True
-            yield rid, req, store
+            req.fetched = True
+            yield rid, req, self._take_store(req)
 
-    def fetch(self, keys: list[str], spill: dict | None = None, arenas: list[str] = ()) -> dict[str, Any]:
+    @staticmethod
+    def _take_store(req: HookRequest) -> RequestStore:
+        store, req.store = req.store, RequestStore()
+        return store
+
+    def fetch(self, keys: list[str], spill: dict | None = None, arenas: list[str] = (),
+              running: bool = False) -> dict[str, Any]:
         """Results of every request with one of `keys`, as one safetensors payload (bytes,
         or a file in `spill`'s directory when the frontend shares it, `delivery.spill`):
         {"batch": payload, "entries": {key: [{"req_id", "j"}]}}, j the request's part.
         Rows in this worker's arena are lent when the frontend has mapped it (its token in
         `arenas`); else the reply offers the arena ("arena")."""
         with no_gc(), one_thread():
-            return self._fetch(keys, spill, arenas)
+            return self._fetch(keys, spill, arenas, running)
 
-    def _fetch(self, keys: list[str], spill: dict | None, arenas: list[str] = ()) -> dict[str, Any]:
+    def _fetch(self, keys: list[str], spill: dict | None, arenas: list[str] = (),
+               running: bool = False) -> dict[str, Any]:
         t0, t0_mono = time.perf_counter(), time.monotonic()
         entries: dict[str, list[dict]] = {k: [] for k in keys}
         parts = []
         common = {"rank": self.rank, "pp_rank": self.pp_rank,
                   "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers if i is not None},
                   "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers if i is not None}}
-        for rid, req, store in self._take(keys):
+        for rid, req, store in self._take(keys, running):
             meta = {"req_id": rid, "prompt_len": req.prompt_len}
             if req.errors:                      # most have none: not sent
                 meta["errors"] = req.errors
