@@ -487,7 +487,7 @@ class FetchBatcher:
 
     def _build_ahead(self, b: "_Batch", merged: dict[str, list[dict]]) -> None:
         """A held batch's Results, built now (while their requests decode) for an HTTP
-        response, their tokens left to set (`ready`), with their inline entry data made
+        response, their tokens left to set (`with_tokens`), with their inline entry data made
         ahead (`server.encode.Ready`: tokenless, stacked, as the plugin's clients read it)."""
         from ..server.encode import READY, Ready
 
@@ -569,8 +569,8 @@ class FetchBatcher:
             try:
                 _read_ahead(b.opened, merged, b.read_as)
                 self._build_ahead(b, merged)
-            except Exception:    # read and built at the finish instead
-                log.exception("vllm_hook: reading a held batch ahead failed")
+            except Exception:    # read and built at the finish instead, a failure reported there
+                log.debug("vllm_hook: reading a held batch ahead failed", exc_info=True)
             self.st.timing["read_ahead_s"] += time.perf_counter() - t1
         b.done.set_result(merged)
 
@@ -617,14 +617,10 @@ class FirstTokens:
 
 def _read_ahead(opened: Opened, merged: dict[str, list[dict]], dtype: str) -> None:
     """Read a held batch's payloads now, while its requests decode: at their finish each
-    request's rows are a lookup (`Opened.part`). A failure is left for then, where it is
-    reported per request."""
-    try:
-        for entries in merged.values():
-            for e in entries:
-                opened.part(e, dtype)
-    except Exception:
-        log.debug("vllm_hook: reading a held batch ahead failed", exc_info=True)
+    request's rows are a lookup (`Opened.part`)."""
+    for entries in merged.values():
+        for e in entries:
+            opened.part(e, dtype)
 
 
 READY_BELOW = 256 << 10      # bytes of activations: encoded ahead on the event loop below this
