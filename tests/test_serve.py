@@ -350,29 +350,49 @@ def test_results_complete_at_the_prompt_are_made_while_it_decodes(server, client
         _same(vllm_hook.Results.from_bytes(base64.b64decode(e["data"])), ref, name)
 
 
-def test_a_request_aborted_after_its_early_fetch_leaves_nothing(server, client):
-    """A capture of the last prompt token whose client goes away while it decodes (a 0.3 s
-    timeout; 490 tokens take seconds on this CPU): its results were fetched as its first
-    token came back (`FetchBatcher.hold`); the abort drops them in the API server, and
-    nothing is left there or on the workers."""
-    ids, spec, _ = CASES["capture_last_prompt"]
-    before = client.health()["frontend"]
-    body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": 490, "temperature": 0,
-            "ignore_eos": True, "vllm_xargs": {"vllm_hook": json.dumps(spec)}}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3,
-                   headers={"Authorization": f"Bearer {API_KEY}"})
+def _settled(client) -> dict:
+    """Health once nothing is pending or held in the API server and nothing is admitted or
+    waiting on the workers (an aborted request's cleanup is asynchronous)."""
     deadline = time.monotonic() + 60
     while True:
         h = client.health()
         w = h["workers"][0]
         if (h["pending_requests"], h["held_results"], w["admitted"], w["results_waiting"]) == (0, 0, 0, 0):
-            break
+            return h
         assert time.monotonic() < deadline, h
         time.sleep(0.2)
-    assert h["frontend"]["fetched_while_running"] - before["fetched_while_running"] == 1
-    assert h["frontend"]["delivered_built_ahead"] == before["delivered_built_ahead"]
+
+
+def test_a_request_aborted_after_its_early_fetch_leaves_nothing(server, client):
+    """A capture of the last prompt token whose client goes away while it decodes (a client
+    timeout; 490 tokens): its results were fetched as its first token came back
+    (`FetchBatcher.hold`); the abort drops them in the API server, and nothing is left there
+    or on the workers. Shorter timeouts are tried where this vLLM decodes the 490 tokens
+    before the first one (0.30 and 0.31 on this CPU: within 0.3 s); whatever happens,
+    nothing is left."""
+    ids, spec, _ = CASES["capture_last_prompt"]
+    body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": 490, "temperature": 0,
+            "ignore_eos": True, "vllm_xargs": {"vllm_hook": json.dumps(spec)}}
+    shown = False
+    for timeout in (0.3, 0.15, 0.08, 0.04):
+        before = client.health()["frontend"]
+        try:
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=timeout,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+            aborted = False
+        except httpx.TimeoutException:
+            aborted = True
+        h = _settled(client)
+        held = h["frontend"]["fetched_while_running"] - before["fetched_while_running"]
+        delivered = h["frontend"]["delivered_built_ahead"] - before["delivered_built_ahead"]
+        assert held <= 1 and delivered <= held
+        if aborted and held == 1 and delivered == 0:
+            shown = True            # fetched while decoding, then aborted: dropped
+            break
     _good_request_works(client)
+    if not shown:
+        pytest.skip("this vLLM finished the request before any client timeout tried, or before "
+                    "its first token: the abort after an early fetch was not reached")
 
 
 def test_steering_only_requests_need_no_fetch(server, client, refs):
