@@ -44,7 +44,6 @@ log = logging.getLogger("vllm_hook")
 SERVED_ATTR = "_vllm_hook_served"
 BATCHER_ATTR = "_vllm_hook_fetcher"
 
-ENCODE_ON_LOOP_BELOW = 256 << 10    # bytes of activations
 _ENCODER: ThreadPoolExecutor | None = None
 
 
@@ -274,7 +273,7 @@ async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked
     # (a response whose results all carry rows has no "tokens" entry: its choices not read)
     shown = (encode.shown_tokens(response) if response is not None and (tokenless or encode.any_tokens_only(sink))
              else None)
-    if encode.nbytes(sink) < ENCODE_ON_LOOP_BELOW:
+    if encode.nbytes(sink) < encode.ON_LOOP_BELOW:
         body = encode.payload(sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless)
     else:
         body = await asyncio.get_running_loop().run_in_executor(

@@ -423,9 +423,9 @@ class FetchBatcher:
         self._held: dict[str, _Batch] = {}                      # key -> batch
         self.first_tokens = FirstTokens(st)
 
-    def _batch(self, keys: list[str], turns: int, read_as: str | None = None) -> "_Batch":
+    def _batch(self, keys: list[str], turns: int) -> "_Batch":
         loop = asyncio.get_running_loop()
-        b = _Batch(keys, loop.create_future(), Opened(), read_as)
+        b = _Batch(keys, loop.create_future(), Opened())
         b.done.add_done_callback(lambda f: f.cancelled() or f.exception())   # never "unretrieved"
         flush = self._flush(b, turns)
         if turns == 0 and EAGER:
@@ -460,19 +460,17 @@ class FetchBatcher:
         step). Each key is kept until its request claims it (`entries`) or is aborted
         (`forget`); beyond MAX_HELD unclaimed, the oldest go (their requests, if any, find
         no results and say so)."""
-        keys, dtypes, rids = [], set(), {}
+        keys, rids = [], {}
         for rid in request_ids:
             item = self.st.pending.get(rid)
             if item is not None and not item[1].held:
                 item[1].held = True
                 keys.append(item[1].key)
                 rids[item[1].key] = rid
-                # read as an HTTP response will (`results_for`, wire)
-                dtypes.add("model" if _widens(self.st, item[1], True) else item[1].dtype)
         if not keys:
             return
         self.st.timing["fetched_while_running"] += len(keys)
-        b, held = self._batch(keys, 0, dtypes.pop() if len(dtypes) == 1 else None), self._held
+        b, held = self._batch(keys, 0), self._held
         b.rids = rids
         for k in keys:
             held[k] = b
@@ -489,7 +487,7 @@ class FetchBatcher:
         """A held batch's Results, built now (while their requests decode) for an HTTP
         response, their tokens left to set (`with_tokens`), with their inline entry data made
         ahead (`server.encode.Ready`: tokenless, stacked, as the plugin's clients read it)."""
-        from ..server.encode import READY, Ready
+        from ..server.encode import ON_LOOP_BELOW, READY, Ready, result_nbytes
 
         st, limit = self.st, self.st.cfg.max_inline_result_bytes
         # counted as ahead (`read_ahead_s`), not as the finish's read and build
@@ -507,7 +505,7 @@ class FetchBatcher:
                     r = _built(st, shell, merged.get(key, []), res, b.opened, True)
                     # inline results only, and small (on the event loop: larger ones are
                     # encoded at the finish, off the loop)
-                    if _nbytes(r) <= min(limit, READY_BELOW):
+                    if result_nbytes(r) <= min(limit, ON_LOOP_BELOW):
                         r.__dict__[READY] = Ready(r, True)
                     b.built[key] = r
                 except Exception:        # built at the finish instead, where a failure is reported
@@ -564,10 +562,9 @@ class FetchBatcher:
         finally:
             self.st.timing["fetch_rpc_s"] += time.perf_counter() - t
             self.st.timing["fetches"] += 1
-        if b.read_as is not None:
+        if b.rids:                   # held: built ahead
             t1 = time.perf_counter()
             try:
-                _read_ahead(b.opened, merged, b.read_as)
                 self._build_ahead(b, merged)
             except Exception:    # read and built at the finish instead, a failure reported there
                 log.debug("vllm_hook: reading a held batch ahead failed", exc_info=True)
@@ -615,21 +612,6 @@ class FirstTokens:
         return by_id
 
 
-def _read_ahead(opened: Opened, merged: dict[str, list[dict]], dtype: str) -> None:
-    """Read a held batch's payloads now, while its requests decode: at their finish each
-    request's rows are a lookup (`Opened.part`)."""
-    for entries in merged.values():
-        for e in entries:
-            opened.part(e, dtype)
-
-
-READY_BELOW = 256 << 10      # bytes of activations: encoded ahead on the event loop below this
-
-
-def _nbytes(r: Results) -> int:
-    return sum(t.numel() * t.element_size() for per_layer in r.activations.values() for t in per_layer.values())
-
-
 def with_tokens(r: Results | None, view: Any) -> Results | None:
     """`r`, built ahead (`FetchBatcher.hold`), given the finished request's tokens (`view`:
     its output's request id, prompt and generated token ids); None where they do not fit."""
@@ -655,7 +637,6 @@ class _Batch:
     keys: list[str]
     done: asyncio.Future
     opened: Opened
-    read_as: str | None = None      # read its payloads once fetched, in this dtype (`hold`)
     rids: dict = field(default_factory=dict)       # held: key -> request id
     built: dict = field(default_factory=dict)      # held: key -> Results built ahead
 

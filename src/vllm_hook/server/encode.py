@@ -76,10 +76,19 @@ class collecting:
         _CURRENT.reset(self.token)
 
 
+# Encoded on the event loop below this many bytes of activations; larger ones on a thread
+# of their own (`adapters.server._encode`), and not made ahead (`Ready`).
+ON_LOOP_BELOW = 256 << 10
+
+
+def result_nbytes(r: Results) -> int:
+    """The bytes of one result's activations (what its encoding copies)."""
+    return sum(t.numel() * t.element_size() for per_layer in r.activations.values() for t in per_layer.values())
+
+
 def nbytes(sink: Sink) -> int:
-    """The bytes of the activations a sink holds (what its encoding copies)."""
-    return sum(t.numel() * t.element_size() for r in _results(sink)
-               for per_layer in r.activations.values() for t in per_layer.values())
+    """The bytes of the activations a sink holds."""
+    return sum(result_nbytes(r) for r in _results(sink))
 
 
 def _field(obj: Any, key: str) -> Any:
