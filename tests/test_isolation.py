@@ -272,17 +272,20 @@ def test_last_token_rows_are_lent_as_one_range_of_their_step(llm):
     """A batch's last-token rows lie back to back in their prefill step's block of the worker's
     arena: a fetch lends them as one reference (a range per step; rows of a step too small for
     the arena by value beside it, `delivery.store._lend_rows`), not packed into its payload.
-    Every request's rows equal the same request run alone (fp32, <= 1e-5), and every lent
-    range is back once they are converted."""
+    The worker makes that reply while the prefill step runs (`worker.prepared`): the call's
+    fetch is answered by it. Every request's rows equal the same request run alone (fp32,
+    <= 1e-5), and every lent range is back once they are converted."""
     n = 32
     ids = [ids_of(llm, PROMPTS[i % len(PROMPTS)] + " " + str(i)) for i in range(n)]
     sites = ("resid_post", "attn_out", "mlp_out")
     spec = {"capture": [{"layers": "all", "tokens": "last_prompt", "site": s} for s in sites]}
     run(llm, ids[:2], [sp(spec, max_tokens=1)] * 2)          # the frontend has mapped the arena
-    before = vllm_hook.stats(llm)["arena_pieces_lent"]
+    stats = vllm_hook.stats(llm)
+    before, prepared = stats["arena_pieces_lent"], stats["timing"]["fetches_prepared"]
     outs = run(llm, ids, [sp(spec, max_tokens=2)] * n)
     after = vllm_hook.stats(llm)
     assert after["arena_pieces_lent"] > before and after["arena_pieces_out"] == 0
+    assert after["timing"]["fetches_prepared"] > prepared          # a reply per prefill step
     for i in (0, n // 2, n - 1):
         alone = res(run(llm, [ids[i]], [sp(spec, max_tokens=2)])[0])
         got = res(outs[i])

@@ -138,6 +138,29 @@ class Collector:
         for _ in range(last + 1):
             self._drain_head(wait=True)
 
+    def hand_over_early(self, owners: set) -> bool:
+        """Hand the rows of `owners` (requests whose last step this is) to their stores now,
+        before their copies complete, where that needs no host copy: every step in flight
+        holding their rows lies in the arena, as views (a prepared fetch reply lends them
+        without reading them, `worker.runtime`). Those steps stay pending, to be waited for
+        by the fetch (`settle`); False (nothing handed over) when one does not qualify."""
+        items = []
+        for i, item in enumerate(self._pending):
+            if isinstance(item, DecodeRun):
+                if any(seg.owner in owners for seg in item.template.segments):
+                    return False
+                continue
+            if item[1] is None or not any(seg.owner in owners for seg in (*item[2], *(s for s, _ in item[3]))):
+                continue
+            if item[3] or self.arena is None or not all(self.arena.holds(h) for h in item[1].values()):
+                return False
+            items.append(i)
+        for i in items:
+            event, hosts, segments, extras = self._pending[i]
+            self._hand_over(hosts, segments, extras)
+            self._pending[i] = (event, None, segments, extras)     # waited for, not handed over again
+        return True
+
     def _drain_head(self, wait: bool) -> bool:
         """Hand over the oldest pending copies once done (`wait`: waiting for them); whether
         they were."""
@@ -155,7 +178,7 @@ class Collector:
         self._pending.popleft()
         if run:
             head.hand_over(self.deliver, self._keep)
-        else:
+        elif head[1] is not None:               # else handed over early (`hand_over_early`)
             self._hand_over(*head[1:])
         return True
 

@@ -43,6 +43,11 @@ class Budget:
         held[0] = 0
 
 
+class NotLent(Exception):
+    """A payload made before a step's copies completed (`worker.runtime` prepares one while
+    the device still runs the step) would read rows, not only lend them: not made."""
+
+
 class RequestStore:
     """Chunks are kept as they arrive, one per step and group of points (point-major blocks,
     see `routing.Segment`); they are split per point only when the results are fetched, so a
@@ -52,6 +57,7 @@ class RequestStore:
         self._chunks: dict[tuple[int, ...], list[tuple[np.ndarray, torch.Tensor]]] = {}
         self._budget = budget
         self._held = [0]              # bytes, in a list: the finalizer must not keep self alive
+        self.version = 0              # rows added so far: a payload made ahead is of this version
         if budget is not None:
             weakref.finalize(self, budget._release, self._held)
 
@@ -77,6 +83,7 @@ class RequestStore:
         chunks = self._chunks.setdefault(points, [])
         chunks.append((positions, rows))
         self._count(n)
+        self.version += 1
         if last_only and len(chunks) > 2:
             # Keep the two newest: the very last forward may be vLLM's surplus step, trimmed later.
             for _, r in chunks[:-2]:
@@ -84,12 +91,13 @@ class RequestStore:
             del chunks[:-2]
         return True
 
-    def blocks(self, chunked: bool = False) -> list[tuple[tuple[int, ...], np.ndarray, Any]]:
+    def blocks(self, chunked: bool = False, views_only: bool = False) -> list[tuple[tuple[int, ...], np.ndarray, Any]]:
         """[(points, positions, rows [len(points), len(positions), ...])], positions ascending,
         newest copy of each. Rows are views of the stored blocks where no reordering is needed
         (the common case: one prefill chunk, or steps in order without recomputation); rows of
         several chunks are concatenated, or with `chunked` left as a `Chunked` of them (the
-        fetch writes each part straight into its payload: one copy, not two)."""
+        fetch writes each part straight into its payload: one copy, not two). `views_only`:
+        raise `NotLent` where the rows would be read (reordered)."""
         out = []
         for points, chunks in self._chunks.items():
             parts = [c[1] for c in chunks]           # each [G, its positions, ...]
@@ -98,6 +106,8 @@ class RequestStore:
             blocks = Chunked(parts) if len(parts) > 1 else parts[0]
             if len(pos) > 1 and not bool(np.all(pos[1:] > pos[:-1])):
                 # Recomputed or reordered positions: keep the newest copy of each, in order.
+                if views_only:
+                    raise NotLent("reordered rows")
                 rev = pos[::-1]
                 pos, first_in_rev = np.unique(rev, return_index=True)
                 blocks = as_tensor(blocks)[:, torch.from_numpy(len(rev) - 1 - first_in_rev)]
@@ -111,11 +121,13 @@ class RequestStore:
         return {point: (pos, blocks[g]) for points, pos, blocks in self.blocks()
                 for g, point in enumerate(points)}
 
-    def _tensors(self, extra: dict[str, torch.Tensor] | None = None, pos_arrays: bool = False) -> dict[str, Any]:
+    def _tensors(self, extra: dict[str, torch.Tensor] | None = None, pos_arrays: bool = False,
+                 views_only: bool = False) -> dict[str, Any]:
         # Per group of points: its positions (int64) and its rows [points, rows, ...], the
         # points of a group back to back, so the frontend converts them in one copy. Rows of
         # several chunks stay a `Chunked` (`as_tensor` where a tensor is needed). With
         # `pos_arrays` positions stay numpy arrays (`batch_to_wire` joins them in one call).
+        # `views_only`: rows are never read (`NotLent` where they would be).
         if len(self._chunks) == 1:
             # One group kept in one chunk (a last-token capture): its block as it is.
             (points, chunks), = self._chunks.items()
@@ -124,17 +136,18 @@ class RequestStore:
                 name = group_name(points)
                 pos = pos.astype(np.int64, copy=False)
                 tensors = {name + ".pos": pos if pos_arrays else torch.from_numpy(pos),
-                           name: rows if rows.is_contiguous() else rows.contiguous()}
+                           name: rows if rows.is_contiguous() else _copied(rows, views_only)}
                 if extra:
                     tensors.update(extra)
                 return tensors
         tensors = {}
-        got = self.blocks(chunked=True)
+        got = self.blocks(chunked=True, views_only=views_only)
         for points, pos, blocks in (sorted(got, key=lambda b: b[0]) if len(got) > 1 else got):
             name = group_name(points)
             pos = pos.astype(np.int64, copy=False)
             tensors[name + ".pos"] = pos if pos_arrays else torch.from_numpy(pos)
-            tensors[name] = blocks if isinstance(blocks, Chunked) else blocks.contiguous()
+            tensors[name] = (blocks if isinstance(blocks, Chunked) or blocks.is_contiguous()
+                             else _copied(blocks, views_only))
         tensors.update(extra or {})
         return tensors
 
@@ -153,6 +166,12 @@ class RequestStore:
             except OSError:     # full (a container's small /dev/shm) or vanished: use the RPC
                 pass
         return {"blob": self.to_bytes(meta, extra)}
+
+
+def _copied(t: torch.Tensor, views_only: bool) -> torch.Tensor:
+    if views_only:
+        raise NotLent("strided rows")
+    return t.contiguous()
 
 
 _NOTHING = torch.zeros(8, dtype=torch.uint8)     # where an empty tensor's bytes "are"
@@ -257,7 +276,7 @@ def _axis(name: str) -> int:
 
 
 def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict | None,
-                  common: dict | None = None, arena: Any = None) -> dict[str, Any]:
+                  common: dict | None = None, arena: Any = None, lend_only: bool = False) -> dict[str, Any]:
     """Several requests' results as one safetensors payload: one file (or one blob) per fetch,
     not per request. Small tensors of the same name, dtype and shape but their rows (a
     last-token capture of 4 layers is 2 of them per request: rows and positions) are
@@ -268,7 +287,9 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
     arena sent by value as "{j}/{name}#{k}"), sent as references to it ("lent": name ->
     reference, beside the payload, so the frontend views them as the reply arrives,
     `FrontendArenas.views`).
-    `common`: metadata every request shares, sent once.
+    `common`: metadata every request shares, sent once. `lend_only`: rows are lent or the
+    payload is not made (`NotLent`): no tensor but positions goes by value, so it may be made
+    before the device has written the rows (`worker.runtime`'s prepared replies).
     At 256 requests, per-tensor and per-file work was most of a small capture's delivery cost."""
     groups: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for j, (_, ts) in enumerate(parts):
@@ -278,34 +299,12 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
     # name -> [requests, their first rows, their row counts]: columns, not a dict per request
     packed: dict[str, list[list[int]]] = {}
     refs: dict[str, dict] = {}
-    for name, items in groups.items():
-        first, ax = items[0][1], _axis(name)
-        if isinstance(first, np.ndarray):         # positions (`RequestStore._tensors`)
-            if len(items) > 1 and all(a.nbytes < PACK_BELOW for _, a in items):
-                tensors[name] = torch.from_numpy(np.concatenate([a for _, a in items]))
-                sizes = [len(a) for _, a in items]
-                packed[name] = [[j for j, _ in items], np.cumsum([0, *sizes[:-1]]).tolist(), sizes]
-                continue
-            items = [(j, torch.from_numpy(a)) for j, a in items]
-            first = items[0][1]
-        if len(items) > 1 and _packable(items, first, ax):
-            lent = _lend_rows(arena, items) if arena is not None and ax == 1 else None
-            if lent is not None:
-                refs[name], order, t = lent
-                packed[name] = [order, list(range(len(order))), [1] * len(order)]
-                tensors.update(_by_value(name, refs[name], t))
-                continue
-            tensors[name] = torch.cat([as_tensor(t) for _, t in items], dim=ax)
-            sizes = [t.shape[ax] for _, t in items]
-            packed[name] = [[j for j, _ in items], np.cumsum([0, *sizes[:-1]]).tolist(), sizes]
-        else:
-            for j, t in items:
-                ref = arena.lend(t) if (arena is not None and t.numel() * t.element_size() >= PACK_BELOW) else None
-                if ref is None:
-                    tensors[f"{j}/{name}"] = t
-                    continue
-                refs[f"{j}/{name}"] = ref
-                tensors.update(_by_value(f"{j}/{name}", ref, t))
+    try:
+        _wire_tensors(groups, tensors, packed, refs, arena, lend_only)
+    except NotLent:
+        if refs:
+            arena.unlend(refs.values())       # not sent: its pieces stay here
+        raise
     # Per-request metadata as columns where every request has the field (ids, prompt
     # lengths), the rest per request where present: JSON of a dict per request was 7 µs a
     # request of a small capture's delivery (encoded and parsed).
@@ -325,6 +324,44 @@ def batch_to_wire(parts: list[tuple[dict, dict[str, torch.Tensor]]], spill: dict
         if refs:
             arena.unlend(refs.values())      # this reply is not sent: its pieces stay here
         raise
+
+
+def _wire_tensors(groups: dict[str, list[tuple[int, Any]]], tensors: dict, packed: dict, refs: dict,
+                  arena: Any, lend_only: bool) -> None:
+    """`batch_to_wire`'s tensors, each name's packed across requests, lent or by value."""
+    for name, items in groups.items():
+        first, ax = items[0][1], _axis(name)
+        only_lent = lend_only and not name.endswith(".pos")
+        if isinstance(first, np.ndarray):         # positions (`RequestStore._tensors`)
+            if len(items) > 1 and all(a.nbytes < PACK_BELOW for _, a in items):
+                tensors[name] = torch.from_numpy(np.concatenate([a for _, a in items]))
+                sizes = [len(a) for _, a in items]
+                packed[name] = [[j for j, _ in items], np.cumsum([0, *sizes[:-1]]).tolist(), sizes]
+                continue
+            items = [(j, torch.from_numpy(a)) for j, a in items]
+            first = items[0][1]
+        if len(items) > 1 and _packable(items, first, ax):
+            lent = _lend_rows(arena, items, only_lent) if arena is not None and ax == 1 else None
+            if lent is not None:
+                refs[name], order, t = lent
+                packed[name] = [order, list(range(len(order))), [1] * len(order)]
+                tensors.update(_by_value(name, refs[name], t, only_lent))
+                continue
+            if only_lent:
+                raise NotLent(name)
+            tensors[name] = torch.cat([as_tensor(t) for _, t in items], dim=ax)
+            sizes = [t.shape[ax] for _, t in items]
+            packed[name] = [[j for j, _ in items], np.cumsum([0, *sizes[:-1]]).tolist(), sizes]
+        else:
+            for j, t in items:
+                ref = arena.lend(t) if (arena is not None and t.numel() * t.element_size() >= PACK_BELOW) else None
+                if ref is None:
+                    if only_lent:
+                        raise NotLent(name)
+                    tensors[f"{j}/{name}"] = t
+                    continue
+                refs[f"{j}/{name}"] = ref
+                tensors.update(_by_value(f"{j}/{name}", ref, t, only_lent))
 
 
 def _columns(metas: list[dict]) -> dict[str, Any]:
@@ -376,22 +413,27 @@ def _packable(items: list[tuple[int, Any]], first: Any, ax: int) -> bool:
     return True
 
 
-def _by_value(name: str, ref: dict, t: Any) -> dict[str, torch.Tensor]:
+def _by_value(name: str, ref: dict, t: Any, only_lent: bool = False) -> dict[str, torch.Tensor]:
     """The parts of a lent `Chunked` that are not in the arena, sent beside the reference
-    as "{name}#{k}" (its k-th part)."""
-    return {f"{name}#{k}": t.parts[k] for k, part in enumerate(ref.get("parts", ())) if part is None}
+    as "{name}#{k}" (its k-th part); with `only_lent`, `NotLent` if there are any."""
+    out = {f"{name}#{k}": t.parts[k] for k, part in enumerate(ref.get("parts", ())) if part is None}
+    if out and only_lent:
+        raise NotLent(name)
+    return out
 
 
 MAX_ROW_RUNS = 16
 
 
-def _lend_rows(arena: Any, items: list[tuple[int, Any]]) -> tuple[dict, list[int], Any] | None:
+def _lend_rows(arena: Any, items: list[tuple[int, Any]], only_lent: bool = False
+               ) -> tuple[dict, list[int], Any] | None:
     """Requests' one-row groups ([points, 1, ...]: a last-token capture) lent as one reference
     where they lie in `arena` back to back (a prefill step's block holds every request's rows
     in turn): a strided view [points, requests, ...] per run of neighbours, joined as a
     `Chunked` when there are several, rows outside the arena among them by value. Returns
     (reference, the requests in row order, what was lent), or None (the caller packs a copy):
-    this skips the worker's concatenation and write and the frontend's read."""
+    this skips the worker's concatenation and write and the frontend's read. `only_lent`:
+    None rather than copy a run outside the arena."""
     ts = [t for _, t in items]
     if not all(isinstance(t, torch.Tensor) and t.shape[1] == 1 and t.is_contiguous() for t in ts):
         return None
@@ -412,7 +454,11 @@ def _lend_rows(arena: Any, items: list[tuple[int, Any]]) -> tuple[dict, list[int
     for run in runs:
         v = ts[run[0]].as_strided((t0.shape[0], len(run), *t0.shape[2:]),
                                   (width, t0.shape[0] * width, *t0.stride()[2:]))
-        views.append(v if len(run) == 1 or arena.holds(v) else v.contiguous())   # by value: contiguous
+        if len(run) > 1 and not arena.holds(v):
+            if only_lent:
+                return None
+            v = v.contiguous()                 # by value: contiguous
+        views.append(v)
     lendable = Chunked(views) if len(views) > 1 else views[0]
     ref = arena.lend(lendable)
     return None if ref is None else (ref, [items[i][0] for i in order], lendable)

@@ -64,17 +64,25 @@ def merge_ranks(replies: Sequence[Any], st: FrontendState | None = None) -> dict
     for reply in replies:
         if isinstance(reply, dict):
             ARENAS.adopt(reply.get("arena"))       # offered: lent from at the next fetch
-            payload = reply.get("batch")
-            if isinstance(payload, dict) and payload.get("lent"):
-                # Viewed now: if anything below fails, the views die with the replies and
-                # the pieces go back to the worker.
-                payload["views"] = ARENAS.views(payload["lent"])
+            for part in _parts(reply):
+                payload = part.get("batch")
+                if isinstance(payload, dict) and payload.get("lent"):
+                    # Viewed now: if anything below fails, the views die with the replies and
+                    # the pieces go back to the worker.
+                    payload["views"] = ARENAS.views(payload["lent"])
     for reply in checked(replies):
-        reply = reply or {}
-        payload = reply.get("batch")
-        for key, entries in (reply.get("entries") or {}).items():
-            merged.setdefault(key, []).extend({**e, "payload": payload} for e in entries)
+        for part in _parts(reply or {}):
+            payload = part.get("batch")
+            for key, entries in (part.get("entries") or {}).items():
+                merged.setdefault(key, []).extend({**e, "payload": payload} for e in entries)
     return merged
+
+
+def _parts(reply: dict) -> list[dict]:
+    """A rank's reply: its payload and entries, and those of replies its worker made ahead
+    ("more": `worker.prepared`), each with payload and entries of its own."""
+    more = reply.get("more")
+    return [reply, *more] if more else [reply]
 
 
 class Opened:
@@ -122,9 +130,10 @@ def release(replies: Sequence[Any] | None) -> None:
     """Hand back the payload files of fetch replies that will not be read (the fetch failed
     after a worker wrote its file)."""
     for r in replies or ():
-        payload = r.get("batch") if isinstance(r, dict) else None
-        if isinstance(payload, dict) and "path" in payload:
-            hand_back(payload["path"])
+        for part in _parts(r) if isinstance(r, dict) else ():
+            payload = part.get("batch")
+            if isinstance(payload, dict) and "path" in payload:
+                hand_back(payload["path"])
 
 
 def child_index(req_id: str, n: int) -> int:

@@ -20,7 +20,7 @@ from ..delivery.collector import Collector
 from ..delivery.hostmem import one_thread, upload
 from ..delivery.spill import sweep_spilled
 from ..delivery.nogc import no_gc
-from ..delivery.store import Budget, RequestStore, batch_to_wire
+from ..delivery.store import Budget, NotLent, RequestStore, batch_to_wire
 from ..gc_clock import process_clock
 from ..hooks.state import StateError, encode, encode_collected
 from ..model.buffers import HookBuffers, cap_points, pack_op
@@ -31,6 +31,7 @@ from ..routing import (CaptureRoute, RequestRoutes, Rows, Segment, SteerGroups, 
 from .attention_jobs import AttnJob, scores_for_step
 from .repeat import StepRepeat
 from .hooks import RequestHooks, WorkerHooks
+from .prepared import Prepared, PreparedReplies
 from .tables import DeviceTables, TableFull
 from .steer_shapes import ShapeCache, SteerShape, shape_of
 from .wire import check_coefficients, check_source, check_wire
@@ -220,8 +221,14 @@ class HookRuntime:
         # hooked_steps: what a hooked step adds to vLLM's host work), repeated_s the part of it in
         # steps that repeated the last routing (over repeated_steps: steady decode); events_s
         # admits and finishes requests (once per request, not per step).
+        # prepare_s: fetch replies made while the device runs the step ending their requests
+        # (`_prepare`), within step_host_s.
         self.timing = dict.fromkeys(("fetches", "fetch_s", "write_s", "hooked_steps", "step_host_s",
-                                     "events_s", "repeated_steps", "repeated_s", "drain_s", "captures_dropped"), 0.0)
+                                     "events_s", "repeated_steps", "repeated_s", "drain_s", "captures_dropped",
+                                     "prepare_s"), 0.0)
+        self.prepared = PreparedReplies(self.collector.arena)
+        self._finishing: list[HookRequest] = []   # routed to their horizon in the step in flight
+        self._lent_to: tuple[str, ...] = ()       # the arenas the last fetch's frontend mapped
         process_clock()          # this process's seconds in Python's collector, from now on
         if cfg.result_spill_dir:
             sweep_spilled(cfg.result_spill_dir, max_age_s=cfg.result_ttl_s)
@@ -625,6 +632,7 @@ class HookRuntime:
         if T_pad > self.bufs.shape.max_tokens:
             raise RuntimeError(f"step has {T_pad} rows, buffers hold {self.bufs.shape.max_tokens}")
         entries, finished_routing = [], []
+        self._finishing = []
         qsl, computed = view.query_start_loc.tolist(), view.num_computed.tolist()   # one conversion
         for req in self.active.values():
             i = view.index.get(req.req_id)
@@ -665,7 +673,9 @@ class HookRuntime:
                    "vllm_hook.capture_pool_rows or lower max_num_batched_tokens")
             _note(req.errors, msg)
         for rid in finished_routing:
-            self.active.pop(rid, None)
+            req = self.active.pop(rid, None)
+            if req is not None:
+                self._finishing.append(req)
         self.repeat.remember(view, routing, entries, routes_changed=bool(finished_routing))
         self._step = routing
         self.steps_routed += 1
@@ -711,6 +721,9 @@ class HookRuntime:
             if any(seg.owner.attn_jobs for seg in step.segments):
                 extras = scores_for_step(step, self.bufs.pools[POOL_Q], self.attn_layers)
             self.collector.after_forward(step, extras)
+            finishing, self._finishing = self._finishing, []
+            if finishing:
+                self._prepare(finishing)
         except Exception as e:
             log.exception("vllm_hook: capture copy failed")
             for seg in step.segments:
@@ -779,38 +792,104 @@ class HookRuntime:
     def _fetch(self, keys: list[str], spill: dict | None, arenas: list[str] = (),
                running: bool = False) -> dict[str, Any]:
         t0, t0_mono = time.perf_counter(), time.monotonic()
+        self._lent_to = tuple(arenas or ())
+        prepared = self._claim(keys) if self.prepared else []
+        if not prepared:
+            reply = self._reply(keys, list(self._take(keys, running)), spill)
+        else:
+            # Their requests taken (copies waited for); the rest answered now, beside them
+            covered = frozenset().union(*(p.keys for p in prepared))
+            rest = [t for t in self._take(keys, running) if t[1].key not in covered]
+            reply = self._reply([k for k in keys if k not in covered], rest, spill)
+            reply["more"] = [{"batch": p.reply["batch"], "entries": p.reply["entries"]} for p in prepared]
+        self.timing["fetches"] += 1
+        self.timing["fetch_s"] += time.perf_counter() - t0
+        # When it ran (the host's monotonic clock): the frontend splits its RPC's time into
+        # the way here (waiting, e.g., for a step in flight) and the way back.
+        reply["ran"] = (t0_mono, time.monotonic())
+        return reply
+
+    def _reply(self, keys, taken: list[tuple[str, HookRequest, RequestStore]], spill: dict | None,
+               lend_only: bool = False) -> dict[str, Any]:
+        """The fetch reply for `taken` (request id, request, its rows): one payload, rows in the
+        arena lent when the frontend mapped it. `lend_only`: nothing but positions by value
+        (`NotLent` else; `_prepare`)."""
         entries: dict[str, list[dict]] = {k: [] for k in keys}
         parts = []
         common = {"rank": self.rank, "pp_rank": self.pp_rank,
                   "q_heads": {str(i.layer): i.q_heads for i in self.attn_layers if i is not None},
                   "kv_heads": {str(i.layer): i.kv_heads for i in self.attn_layers if i is not None}}
-        for rid, req, store in self._take(keys, running):
+        for rid, req, store in taken:
             meta = {"req_id": rid, "prompt_len": req.prompt_len}
             if req.errors:                      # most have none: not sent
-                meta["errors"] = req.errors
+                meta["errors"] = list(req.errors)
             if req.attn_heads:
                 meta["attn_heads"] = {str(k): v for k, v in req.attn_heads.items()}
             extra = self._hook_tensors(req, meta) if req.hook_results is not None else None
             entries[req.key].append({"req_id": rid, "j": len(parts)})
-            parts.append((meta, store._tensors(extra, pos_arrays=True)))
+            parts.append((meta, store._tensors(extra, pos_arrays=True, views_only=lend_only)))
         if self.off:        # requests this worker never saw (admission was what failed)
             for k in [k for k, e in entries.items() if not e]:
                 entries[k].append({"req_id": k, "j": len(parts)})
                 parts.append(({"req_id": k, "errors": [self._off_message()], "rank": self.rank}, {}))
         t1 = time.perf_counter()
         arena = self.collector.arena
-        lends = arena is not None and arena.token.hex() in (arenas or ())
-        payload = batch_to_wire(parts, spill, common, arena if lends else None) if parts else None
+        lends = arena is not None and arena.token.hex() in self._lent_to
+        payload = (batch_to_wire(parts, spill, common, arena if lends else None, lend_only)
+                   if parts else None)
         self.timing["write_s"] += time.perf_counter() - t1
-        self.timing["fetches"] += 1
-        self.timing["fetch_s"] += time.perf_counter() - t0
-        # When it ran (the host's monotonic clock): the frontend splits its RPC's time into
-        # the way here (waiting, e.g., for a step in flight) and the way back.
-        reply = {"batch": payload, "entries": entries, "ran": (t0_mono, time.monotonic()),
+        reply = {"batch": payload, "entries": entries,
                  "arena_token": arena.token.hex() if arena is not None else None}
         if arena is not None and not lends:
             reply["arena"] = arena.offer()
         return reply
+
+    def _prepare(self, reqs: list[HookRequest]) -> None:
+        """Make now, while the device runs this step, the fetch reply of the requests whose
+        routes it ended (`worker.prepared`): those with rows or errors to fetch, no hooks, and
+        every request of their keys among them; only where the frontend maps the arena and
+        every row of theirs lies there (lent, never read: the device is still writing them)."""
+        arena = self.collector.arena
+        if (arena is None or arena.token.hex() not in self._lent_to or self.off
+                or (self.hooks is not None and self.hooks.persistent)):
+            return
+        t0 = time.perf_counter()
+        try:
+            take = [r for r in reqs if r.key and not r.fetched and r.hooks is None and r.hook_results is None
+                    and not r.attn_jobs and (r.routes.capture or r.errors)]
+            if not take:
+                return
+            keys = {r.key for r in take}
+            if sum(self._unfetched(keys).values()) != len(take) or not self.collector.hand_over_early(set(take)):
+                return
+            with no_gc():
+                try:
+                    reply = self._reply(sorted(keys), [(r.req_id, r, r.store) for r in take], None, lend_only=True)
+                except NotLent:
+                    return
+            self.prepared.add(Prepared(frozenset(keys), reply,
+                                       [(r, r.store, r.store.version, len(r.errors)) for r in take]))
+        except Exception:
+            log.exception("vllm_hook: preparing a fetch reply failed; it is made at the fetch")
+        finally:
+            self.timing["prepare_s"] += time.perf_counter() - t0
+
+    def _unfetched(self, keys) -> dict[str, int]:
+        """The worker's unfetched requests with one of `keys`, per key."""
+        out: dict[str, int] = {}
+        for reqs in (self.requests, self.done):
+            for r in reqs.values():
+                if r.key in keys and not r.fetched:
+                    out[r.key] = out.get(r.key, 0) + 1
+        return out
+
+    def _claim(self, keys: list[str]) -> list[Prepared]:
+        """The prepared replies within `keys`, still valid (`PreparedReplies.claim`)."""
+        if self.off:
+            self.prepared.drop(keys)
+            return []
+        want = set(keys)
+        return self.prepared.claim(want, self._unfetched(want))
 
     def _hook_tensors(self, req: HookRequest, meta: dict) -> dict[str, torch.Tensor]:
         """The request's hook results: their tensors, and their structure into `meta`."""
@@ -858,6 +937,7 @@ class HookRuntime:
 
     def discard(self, keys: list[str]) -> int:
         """Drop the results of aborted requests, unserialised."""
+        self.prepared.drop(keys)
         return sum(1 for _ in self._take(keys))
 
     def register_vectors(self, vectors: dict[str, bytes]) -> list[str]:
@@ -887,6 +967,8 @@ class HookRuntime:
             "persistent_hooks": len(self.hooks.persistent) if self.hooks else 0,
             "persistent_hook_results": len(self.hooks.persistent_results) if self.hooks else 0,
             "timing": {**self.timing, **(self.hooks.timing if self.hooks else {}),
+                       # fetches answered by a reply made ahead (`_prepare`); replies made for nothing
+                       "fetches_prepared": self.prepared.used, "prepared_dropped": self.prepared.dropped,
                        # the host waiting for the device's copies: routing arrays, captured rows
                        "wait_staging_s": self.staging.wait_s, "wait_copies_s": self.collector.wait_s,
                        **process_clock().counters()},

@@ -1,0 +1,212 @@
+"""Fetch replies made while the step that ends their requests runs (`worker.prepared`): a fetch
+of exactly those requests gets the same results, bit for bit, as one answered at the fetch;
+any other fetch, or a request changed since, gets the reply made at the fetch; rows outside
+the arena are never read early (`lend_only`), and nothing stays lent from a dropped reply."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_hook.adapters.base import NewRequest, SchedulerEvents, StepView
+from vllm_hook.config import HookConfig
+from vllm_hook.delivery.arena import FRONTEND as ARENAS
+from vllm_hook.delivery.store import NotLent, RequestStore, batch_to_wire
+from vllm_hook.frontend.delivery import Opened, merge_ranks
+from vllm_hook.model.buffers import BufferShape, HookBuffers
+from vllm_hook.model.layout import PointTable
+from vllm_hook.spec import ModelInfo
+from vllm_hook.spec.resolve import resolve
+from vllm_hook.spec.schema import parse_spec
+from vllm_hook.worker.runtime import HookRuntime
+
+L, H, P, N = 4, 512, 10, 64          # a step's block: 64 x 2 x 512 bf16 = 128 KiB, in the arena
+CFG = HookConfig(capture_pool_rows=4096, result_arena_bytes=64 << 20)
+INFO = ModelInfo(num_layers=L, hidden_size=H, num_heads=8, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+SPEC = {"capture": [{"layers": [1, 3], "tokens": "last_prompt"}]}
+
+
+def _worker() -> HookRuntime:
+    points = PointTable.for_config(L, CFG)
+    shape = BufferShape.for_engine(num_layers=L, hidden=H, max_num_batched_tokens=N * P, max_num_seqs=N,
+                                   cfg=CFG, points=points)
+    rt = HookRuntime(HookBuffers(shape, torch.bfloat16, torch.device("cpu")), points, CFG)
+    ARENAS.adopt(rt.collector.arena.offer())
+    return rt
+
+
+def _admit(rt: HookRuntime, tag: str, spec=SPEC) -> list[str]:
+    res = resolve(parse_spec(spec), INFO, CFG, P, lambda n: None, max_model_len=64)
+    ids = [f"{tag}{i}" for i in range(N)]
+    rt.on_events(SchedulerEvents(new=tuple(NewRequest(r, {**res.wire, "key": r}, P) for r in ids)))
+    return ids
+
+
+def _prefill(rt: HookRuntime, ids: list[str], seed: int) -> None:
+    """One prefill step of `ids`, the pools holding fresh random rows as the forward wrote."""
+    view = StepView(index={r: i for i, r in enumerate(ids)}, query_start_loc=np.arange(len(ids) + 1, dtype=np.int32) * P,
+                    num_computed=np.zeros(len(ids), dtype=np.int32), num_tokens=len(ids) * P,
+                    num_tokens_padded=len(ids) * P)
+    rt.begin_step(view)
+    g = torch.Generator().manual_seed(seed)
+    for pool in rt.bufs.pools:
+        if pool is not None:
+            pool.copy_(torch.randn(pool.shape, generator=g).to(pool.dtype))
+    rt.end_step()
+
+
+def _results(reply: dict) -> dict[str, tuple]:
+    opened = Opened()
+    out = {}
+    for key, entries in merge_ranks([reply]).items():
+        (e,) = entries
+        points, meta, _ = opened.part(e, "float32")
+        out[key] = ({p: (pos.clone(), rows.clone()) for p, (pos, rows) in points.items()}, meta.get("errors"))
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k][1] == b[k][1]
+        assert a[k][0].keys() == b[k][0].keys()
+        for p in a[k][0]:
+            assert torch.equal(a[k][0][p][0], b[k][0][p][0]) and torch.equal(a[k][0][p][1], b[k][0][p][1])
+
+
+def _lent(rt: HookRuntime) -> int:
+    return len(rt.collector.arena._lent)
+
+
+def test_prepared_reply_equals_the_reply_made_at_the_fetch():
+    rt = _worker()
+    arenas = ARENAS.tokens()
+    rt.fetch([], None, arenas)                     # the frontend has mapped the arena: lent from now on
+    a, b = _admit(rt, "a"), _admit(rt, "b")
+    _prefill(rt, a, seed=1)
+    assert rt.prepared.made == 1 and len(rt.prepared) == 1
+    early = _results(rt.fetch(a, None, arenas))
+    assert rt.prepared.used == 1 and not rt.prepared
+    rt._lent_to = ()                              # `b` not prepared (the frontend seems not to map it)
+    _prefill(rt, b, seed=1)
+    assert rt.prepared.made == 1
+    late = _results(rt.fetch(b, None, arenas))
+    rename = {f"b{i}": f"a{i}" for i in range(N)}
+    _same(early, {rename[k]: v for k, v in late.items()})
+    assert all(len(pts) == 2 for pts, _ in early.values())
+    gc.collect()
+    rt.collector.arena.reclaim()
+    assert _lent(rt) == 0                         # every piece lent by either reply back
+
+
+def test_a_fetch_of_several_steps_takes_each_steps_prepared_reply_and_answers_the_rest():
+    """Prompts prefilled in several steps: a reply per step; one fetch of all of them carries
+    each prepared reply and a payload made at the fetch for requests none covers."""
+    rt = _worker()
+    arenas = ARENAS.tokens()
+    rt.fetch([], None, arenas)
+    ids, more = _admit(rt, "m"), _admit(rt, "x")
+    _prefill(rt, ids[:32], seed=6)
+    _prefill(rt, ids[32:], seed=7)
+    rt._lent_to = ()
+    _prefill(rt, more, seed=8)                     # not prepared
+    assert rt.prepared.made == 2
+    reply = rt.fetch(ids + more, None, arenas)
+    assert rt.prepared.used == 2 and len(reply["more"]) == 2 and len(reply["entries"]) == N
+    got = _results(reply)
+    ref = _worker()
+    ref.fetch([], None, arenas)
+    rids, rmore = _admit(ref, "m"), _admit(ref, "x")
+    ref._lent_to = ()
+    for part, seed in ((rids[:32], 6), (rids[32:], 7), (rmore, 8)):
+        _prefill(ref, part, seed=seed)
+    assert ref.prepared.made == 0
+    rids += rmore
+    _same(got, _results(ref.fetch(rids, None, arenas)))
+
+
+def test_other_fetches_and_changed_requests_get_a_reply_made_at_the_fetch():
+    rt = _worker()
+    arenas = ARENAS.tokens()
+    rt.fetch([], None, arenas)
+    ids = _admit(rt, "c")
+    _prefill(rt, ids, seed=2)
+    assert len(rt.prepared) == 1 and _lent(rt) > 0
+    # A fetch of some of them: the prepared reply is dropped, its pieces taken back.
+    half = _results(rt.fetch(ids[:8], None, arenas))
+    assert rt.prepared.used == 0 and rt.prepared.dropped == 1 and not rt.prepared
+    assert len(half) == 8 and all(len(pts) == 2 for pts, _ in half.values())
+    # An error noted after the reply was made: the reply made at the fetch carries it.
+    ids = _admit(rt, "d")
+    _prefill(rt, ids, seed=3)
+    rt.requests.get(ids[5], rt.done.get(ids[5])).errors.append("noted late")
+    got = _results(rt.fetch(ids, None, arenas))
+    assert rt.prepared.used == 0 and got[ids[5]][1] == ["noted late"] and got[ids[4]][1] is None
+    # Aborted: discarded with the results.
+    ids = _admit(rt, "e")
+    _prefill(rt, ids, seed=4)
+    assert len(rt.prepared) == 1
+    rt.discard(ids)
+    assert not rt.prepared and rt.prepared.dropped == 3
+    gc.collect()
+    rt.collector.arena.reclaim()
+    assert _lent(rt) == 0                         # dropped replies' pieces taken back
+
+
+def test_requests_that_read_generated_tokens_are_not_prepared():
+    rt = _worker()
+    arenas = ARENAS.tokens()
+    rt.fetch([], None, arenas)
+    ids = _admit(rt, "f", {"capture": [{"layers": [1], "tokens": "all"}]})
+    _prefill(rt, ids, seed=5)
+    assert rt.prepared.made == 0              # routed beyond the prompt: not done at this step
+    got = _results(rt.fetch(ids, None, arenas))
+    assert all(len(pts) == 1 for pts, _ in got.values())
+
+
+def test_lend_only_never_sends_rows_by_value():
+    s = RequestStore()
+    s.add((0,), np.arange(3), torch.randn(3, 8).bfloat16(), False)
+    parts = [({"req_id": "r"}, s._tensors(pos_arrays=True))]
+    with pytest.raises(NotLent):
+        batch_to_wire(parts, None, None, None, lend_only=True)
+    assert "blob" in batch_to_wire(parts, None)
+
+
+def test_collector_hands_arena_rows_over_early_and_still_waits_for_their_copies():
+    """`Collector.hand_over_early`: a step in flight whose rows lie in the arena is handed to
+    the stores at once (views, not read), then waited for by `settle` and not handed over
+    again; a step outside the arena is not (False, nothing handed over)."""
+    from vllm_hook.delivery.arena import Arena
+    from vllm_hook.delivery.collector import Collector
+    from vllm_hook.routing import Segment
+
+    class Event:
+        def __init__(self):
+            self.done = self.waited = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+    delivered = []
+    col = Collector([torch.zeros(8, 4)], lambda seg, rows, blocked=False: delivered.append((seg.owner, rows)))
+    col.on_device, col.arena = True, Arena(1 << 20, torch.device("cpu"))
+    a, b = object(), object()
+    in_arena = col.arena.alloc((3, 4), torch.float32)
+    ev = Event()
+    col._pending.append((ev, {0: in_arena}, [Segment(a, (0,), 0, np.array([0]), False)], []))
+    assert col.hand_over_early({a}) and [o for o, _ in delivered] == [a] and not ev.waited
+    assert delivered[0][1].data_ptr() == in_arena.data_ptr()          # a view: nothing read
+    col.settle({a})
+    assert ev.waited and len(delivered) == 1 and col.in_flight == 0
+    ev2 = Event()
+    col._pending.append((ev2, {0: torch.zeros(3, 4)}, [Segment(b, (0,), 0, np.array([0]), False)], []))
+    assert not col.hand_over_early({b}) and len(delivered) == 1
+    col.settle({b})
+    assert ev2.waited and [o for o, _ in delivered] == [a, b]
