@@ -33,7 +33,8 @@ STAGES = {  # counter (frontend or worker timing) -> stage name
     "frontend.admit_s": "admission (parse, resolve)", "worker.events_s": "worker admit/finish",
     "worker.step_host_s": "routing (per step)", "worker.drain_s": "of which stored (hand-over)",
     "worker.repeated_s": "of which repeated steps",
-    "worker.wait_staging_s": "of which waiting for the device", "worker.write_s": "worker write",
+    "worker.wait_staging_s": "of which waiting for the device",
+    "worker.prepare_s": "of which fetch replies made ahead", "worker.write_s": "worker write",
     "worker.fetch_s": "worker fetch (incl. write)", "worker.wait_copies_s": "of which waiting for copies",
     "frontend.fetch_rpc_s": "fetch RPC (incl. worker write)",
     "frontend.rpc_to_worker_s": "of which to the worker", "frontend.rpc_back_s": "of which back",
@@ -80,6 +81,8 @@ def run_case(native, plugin, name, spec_of, n, plen, gen, reps) -> dict:
     stages = {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / hooked_requests for k, label in STAGES.items()}
     res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows, "host_us_per_request": stages,
            "fetch_rpcs_per_rep": (after.get("frontend.fetches", 0) - before.get("frontend.fetches", 0)) / hooked_batches,
+           "prepared_per_rep": (after.get("worker.fetches_prepared", 0)
+                                - before.get("worker.fetches_prepared", 0)) / hooked_batches,
            "page_faults_per_request": (after.get("frontend.read_build_page_faults", 0)
                                        - before.get("frontend.read_build_page_faults", 0)) / hooked_requests}
     for est, num, den in (("in_engine", "hooked_s", "unhooked_s"), ("vs_native", "hooked_s", "native_s"),
@@ -132,12 +135,13 @@ def report(result: dict) -> str:
                   + " |" for r in late]
     lines += ["", "Plugin host time per hooked request by stage (µs, from its counters):", "",
               "| workload | requests | gen | " + " | ".join(STAGES.values()) + " | fetch RPCs per batch "
-              "| frontend page faults in read and build, per request |",
-              "|---|---|---|" + "---|" * (len(STAGES) + 2)]
+              "| replies made ahead per batch | frontend page faults in read and build, per request |",
+              "|---|---|---|" + "---|" * (len(STAGES) + 3)]
     for r in result.get("cases", []):
         lines.append(f"| {r['workload']} | {r['n']} | {r['gen']} | " +
                      " | ".join(f"{r['host_us_per_request'][s]:.0f}" for s in STAGES.values()) +
-                     f" | {r.get('fetch_rpcs_per_rep', 0):.1f} | {r.get('page_faults_per_request', 0):.0f} |")
+                     f" | {r.get('fetch_rpcs_per_rep', 0):.1f} | {r.get('prepared_per_rep', 0):.1f} "
+                     f"| {r.get('page_faults_per_request', 0):.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -837,7 +837,8 @@ class HookRuntime:
         lends = arena is not None and arena.token.hex() in self._lent_to
         payload = (batch_to_wire(parts, spill, common, arena if lends else None, lend_only)
                    if parts else None)
-        self.timing["write_s"] += time.perf_counter() - t1
+        if not lend_only:                   # made ahead: in prepare_s
+            self.timing["write_s"] += time.perf_counter() - t1
         reply = {"batch": payload, "entries": entries,
                  "arena_token": arena.token.hex() if arena is not None else None}
         if arena is not None and not lends:
