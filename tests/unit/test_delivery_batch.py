@@ -265,7 +265,7 @@ def test_collector_settle_waits_only_for_the_fetched_requests_copies():
     hosts = {0: torch.zeros(3, 4)}
     events = [Event(True), Event(False), Event(False)]
     for ev, owner, start in zip(events, (a, b, c), range(3)):
-        col._pending.append((ev, hosts, [seg(owner, start)], []))
+        col._pending.append((ev, hosts, [seg(owner, start)], [], []))
     col.settle({b})
     assert delivered == [a, b] and events[1].waited and not events[2].waited and col.in_flight == 1
     col.settle({object()})                       # no rows in flight: nothing waited for

@@ -177,9 +177,11 @@ def test_lend_only_never_sends_rows_by_value():
 
 
 def test_collector_hands_arena_rows_over_early_and_still_waits_for_their_copies():
-    """`Collector.hand_over_early`: a step in flight whose rows lie in the arena is handed to
-    the stores at once (views, not read), then waited for by `settle` and not handed over
-    again; a step outside the arena is not (False, nothing handed over)."""
+    """`Collector.hand_over_early`: the rows of the requests ending (`a`) in steps in flight
+    that lie in the arena are handed to their stores at once, oldest step first (views, not
+    read), then waited for by `settle` and not handed over again; other requests' rows of
+    those steps (`b`) are handed over as before, in order; a step outside the arena holding
+    rows of theirs: False, nothing handed over."""
     from vllm_hook.delivery.arena import Arena
     from vllm_hook.delivery.collector import Collector
     from vllm_hook.routing import Segment
@@ -195,18 +197,25 @@ def test_collector_hands_arena_rows_over_early_and_still_waits_for_their_copies(
             self.waited = self.done = True
 
     delivered = []
-    col = Collector([torch.zeros(8, 4)], lambda seg, rows, blocked=False: delivered.append((seg.owner, rows)))
+    col = Collector([torch.zeros(8, 4)], lambda seg, rows, blocked=False: delivered.append((seg.owner, seg.pool_start, rows)))
     col.on_device, col.arena = True, Arena(1 << 20, torch.device("cpu"))
-    a, b = object(), object()
-    in_arena = col.arena.alloc((3, 4), torch.float32)
-    ev = Event()
-    col._pending.append((ev, {0: in_arena}, [Segment(a, (0,), 0, np.array([0]), False)], []))
-    assert col.hand_over_early({a}) and [o for o, _ in delivered] == [a] and not ev.waited
-    assert delivered[0][1].data_ptr() == in_arena.data_ptr()          # a view: nothing read
+    a, b, c = "a", "b", "c"
+
+    def seg(owner, start):
+        return Segment(owner, (0,), start, np.array([0]), False)
+
+    older, newer = col.arena.alloc((3, 4), torch.float32), col.arena.alloc((3, 4), torch.float32)
+    ev1, ev2 = Event(), Event()
+    col._pending.append((ev1, {0: older}, [seg(a, 0), seg(b, 1)], [], []))
+    col._pending.append((ev2, {0: newer}, [seg(b, 0), seg(a, 1)], [], []))
+    assert col.hand_over_early({a})
+    assert [(o, s) for o, s, _ in delivered] == [(a, 0), (a, 1)] and not ev1.waited and not ev2.waited
+    assert delivered[1][2].data_ptr() == newer[1:2].data_ptr()          # a view: nothing read
     col.settle({a})
-    assert ev.waited and len(delivered) == 1 and col.in_flight == 0
-    ev2 = Event()
-    col._pending.append((ev2, {0: torch.zeros(3, 4)}, [Segment(b, (0,), 0, np.array([0]), False)], []))
-    assert not col.hand_over_early({b}) and len(delivered) == 1
-    col.settle({b})
-    assert ev2.waited and [o for o, _ in delivered] == [a, b]
+    assert ev1.waited and ev2.waited and col.in_flight == 0
+    assert [(o, s) for o, s, _ in delivered] == [(a, 0), (a, 1), (b, 1), (b, 0)]     # b: as before, in order
+    ev3 = Event()
+    col._pending.append((ev3, {0: torch.zeros(3, 4)}, [seg(c, 0)], [], []))
+    assert not col.hand_over_early({c}) and len(delivered) == 4
+    col.settle({c})
+    assert ev3.waited and delivered[-1][0] == c

@@ -49,7 +49,8 @@ class Collector:
         # Made now, not at the first large step: page-locking 4 GiB took 2.4 s on the H200
         # host, and the engine's steps stalled for it even on a thread of its own (run 51).
         self.arena: Arena | None = make_arena(arena_bytes, self.device) if arena_bytes else None
-        self._pending: deque = deque()      # DecodeRun, or (event, hosts, segments, extras)
+        # DecodeRun, or (event, hosts, segments, extras, segments handed over early)
+        self._pending: deque = deque()
         self._run: DecodeRun | None = None  # the open run, last in _pending
         self.bytes_copied = 0
         self.pinned_kept = 0
@@ -89,7 +90,7 @@ class Collector:
             return
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((event, hosts, routing.segments, extra_hosts))
+        self._pending.append((event, hosts, routing.segments, extra_hosts, []))
 
     def _arena_for(self, nbytes: int) -> Arena | None:
         """The arena, for a step of `nbytes` worth placing there."""
@@ -128,7 +129,7 @@ class Collector:
             if isinstance(item, DecodeRun):
                 segs = item.template.segments
             else:
-                segs = [*item[2], *(seg for seg, _ in item[3])]
+                segs = [*item[2], *(seg for seg, _ in item[3]), *item[4]]
             if any(seg.owner in owners for seg in segs):
                 last = i
         if last < 0:
@@ -141,24 +142,32 @@ class Collector:
     def hand_over_early(self, owners: set) -> bool:
         """Hand the rows of `owners` (requests whose last step this is) to their stores now,
         before their copies complete, where that needs no host copy: every step in flight
-        holding their rows lies in the arena, as views (a prepared fetch reply lends them
-        without reading them, `worker.runtime`). Those steps stay pending, to be waited for
-        by the fetch (`settle`); False (nothing handed over) when one does not qualify."""
-        items = []
+        holding their rows holds them in the arena, as views (a prepared fetch reply lends
+        them without reading them, `worker.runtime`). Oldest step first, so each store gets
+        its rows in order; other requests' rows of those steps are handed over as before.
+        The steps stay pending, to be waited for by the fetch (`settle`). False (nothing
+        handed over) when one does not qualify."""
+        plan = []
         for i, item in enumerate(self._pending):
             if isinstance(item, DecodeRun):
                 if any(seg.owner in owners for seg in item.template.segments):
                     return False
                 continue
-            if item[1] is None or not any(seg.owner in owners for seg in (*item[2], *(s for s, _ in item[3]))):
-                continue
-            if item[3] or self.arena is None or not all(self.arena.holds(h) for h in item[1].values()):
+            _, hosts, segments, extras, _ = item
+            if any(seg.owner in owners for seg, _ in extras):
                 return False
-            items.append(i)
-        for i in items:
-            event, hosts, segments, extras = self._pending[i]
-            self._hand_over(hosts, segments, extras)
-            self._pending[i] = (event, None, segments, extras)     # waited for, not handed over again
+            mine = [seg for seg in segments if seg.owner in owners]
+            if not mine:
+                continue
+            if self.arena is None or not all(self.arena.holds(hosts[seg.pool]) for seg in mine):
+                return False
+            plan.append((i, mine))
+        for i, mine in plan:
+            event, hosts, segments, extras, early = self._pending[i]
+            for seg, part in zip(mine, _slices(hosts, mine)):
+                self.deliver(seg, part)
+            rest = [seg for seg in segments if seg.owner not in owners]
+            self._pending[i] = (event, hosts, rest, extras, early + mine)   # waited for, not handed over again
         return True
 
     def _drain_head(self, wait: bool) -> bool:
@@ -178,8 +187,8 @@ class Collector:
         self._pending.popleft()
         if run:
             head.hand_over(self.deliver, self._keep)
-        elif head[1] is not None:               # else handed over early (`hand_over_early`)
-            self._hand_over(*head[1:])
+        elif head[2] or head[3]:             # (rows handed over early excepted: `hand_over_early`)
+            self._hand_over(*head[1:4])
         return True
 
     def _hand_over(self, hosts, segments: list[Segment], extras) -> None:
