@@ -135,7 +135,7 @@ def report(result: dict) -> str:
                   + " |" for r in late]
     lines += ["", "Plugin host time per hooked request by stage (µs, from its counters):", "",
               "| workload | requests | gen | " + " | ".join(STAGES.values()) + " | fetch RPCs per batch "
-              "| replies made ahead per batch | frontend page faults in read and build, per request |",
+              "| replies made ahead and used per batch | frontend page faults in read and build, per request |",
               "|---|---|---|" + "---|" * (len(STAGES) + 3)]
     for r in result.get("cases", []):
         lines.append(f"| {r['workload']} | {r['n']} | {r['gen']} | " +

@@ -219,3 +219,135 @@ def test_collector_hands_arena_rows_over_early_and_still_waits_for_their_copies(
     assert not col.hand_over_early({c}) and len(delivered) == 4
     col.settle({c})
     assert ev3.waited and delivered[-1][0] == c
+
+
+# ---- the device's copies emulated: a step's host rows read NaN until its event completes ----
+@pytest.fixture
+def device(monkeypatch):
+    """Collectors made after this see their copies complete only when their step's event is
+    waited for or queried done: a row read before that is NaN in the results."""
+    from vllm_hook.delivery import collector as C
+
+    queued: list = []
+
+    class Event:
+        def __init__(self):
+            self.copies, self.done = [], False
+
+        def record(self):
+            self.copies, queued[:] = list(queued), []
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            if not self.done:
+                for host, src in self.copies:
+                    host.copy_(src)
+                self.done = True
+
+    original = C.Collector._to_host
+
+    def to_host(self, t, arena=None):
+        if not self.on_device:                    # a reference worker: copies at once
+            return original(self, t, arena)
+        host = arena.alloc(t.shape, t.dtype) if arena is not None else None
+        if host is None:
+            host = torch.empty(t.shape, dtype=t.dtype)
+        host.fill_(float("nan"))
+        queued.append((host, t.clone()))
+        return host
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(C.Collector, "_to_host", to_host)
+
+    def make():
+        rt = _worker()
+        rt.collector.on_device = True
+        rt.fetch([], None, ARENAS.tokens())
+        return rt
+    return make
+
+
+def _reference(tag: str, steps) -> dict:
+    """The results of the same steps on a worker that prepares nothing (copies at once)."""
+    ref = _worker()
+    ref.fetch([], None, ARENAS.tokens())
+    ids = _admit(ref, tag)
+    ref._lent_to = ()
+    for step in steps:
+        step(ref, ids)
+    return _results(ref.fetch(ids, None, ARENAS.tokens()))
+
+
+def _nan(res: dict) -> bool:
+    return any(torch.isnan(rows).any().item() for pts, _ in res.values() for _, rows in pts.values())
+
+
+def test_a_reply_made_while_the_copies_run_reads_no_row_before_they_complete(device):
+    rt = device()
+    ids = _admit(rt, "g")
+    _prefill(rt, ids, seed=9)
+    assert rt.prepared.made == 1 and rt.collector.in_flight == 1 and not rt.collector._pending[0][0].done
+    got = _results(rt.fetch(ids, None, ARENAS.tokens()))
+    assert rt.prepared.used == 1 and not _nan(got)
+    _same(got, _reference("g", [lambda w, i: _prefill(w, i, seed=9)]))
+
+
+def test_rows_routed_after_the_reply_was_made_make_it_stale(device):
+    """Preempted after its prompt's step and recomputed, its new rows still in flight at the
+    fetch (not handed over early): the reply made at the first step is not used; the results
+    hold the newest rows."""
+    def steps(w, ids):
+        _prefill(w, ids, seed=10)
+        w.on_events(SchedulerEvents(resumed=frozenset(ids)))
+        lent, w._lent_to = w._lent_to, ()
+        _prefill(w, ids, seed=11)
+        w._lent_to = lent
+    rt = device()
+    ids = _admit(rt, "h")
+    steps(rt, ids)
+    assert rt.prepared.made == 1
+    got = _results(rt.fetch(ids, None, ARENAS.tokens()))
+    assert rt.prepared.used == 0 and not _nan(got)
+    _same(got, _reference("h", [steps]))
+
+
+def test_a_reply_is_dropped_for_a_frontend_without_the_arena_and_when_its_results_expire(device):
+    rt = device()
+    ids = _admit(rt, "k")
+    _prefill(rt, ids, seed=12)
+    assert len(rt.prepared) == 1
+    got = _results(rt.fetch(ids, None, []))       # a frontend that has not mapped the arena
+    assert rt.prepared.used == 0 and not rt.prepared and not _nan(got) and len(got) == N
+    ids = _admit(rt, "l")
+    _prefill(rt, ids, seed=13)
+    rt.on_events(SchedulerEvents(finished=frozenset(ids)))
+    for rid in ids:
+        rt.done[rid].finished_at -= 10 * CFG.result_ttl_s
+    rt._expire()
+    assert not rt.done and not rt.prepared
+    gc.collect()
+    rt.collector.arena.reclaim()
+    assert _lent(rt) == 0 and rt.budget.used == 0
+
+
+def test_a_fetch_that_fails_after_taking_a_reply_gives_its_pieces_back(monkeypatch):
+    rt = _worker()
+    rt.fetch([], None, ARENAS.tokens())
+    ids = _admit(rt, "n")
+    more = _admit(rt, "o")
+    _prefill(rt, ids, seed=14)
+    rt._lent_to = ()
+    _prefill(rt, more, seed=15)
+    assert len(rt.prepared) == 1 and _lent(rt) > 0
+
+    def fail(*a, **k):
+        raise MemoryError("writing the payload")
+    monkeypatch.setattr(rt, "_reply", fail)
+    with pytest.raises(MemoryError):
+        rt.fetch(ids + more, None, ARENAS.tokens())
+    assert not rt.prepared and rt.prepared.dropped == 1
+    gc.collect()
+    rt.collector.arena.reclaim()
+    assert _lent(rt) == 0

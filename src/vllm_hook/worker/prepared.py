@@ -73,11 +73,16 @@ class PreparedReplies:
         self.used += len(hits)
         return hits
 
-    def drop(self, keys: Iterable[str] = ()) -> None:
-        """Drop the replies holding one of `keys` (all with none given)."""
-        want = frozenset(keys)
-        for p in [q for q in self._items if not want or q.keys & want]:
+    def drop(self, keys: Iterable[str] | None = None) -> None:
+        """Drop the replies holding one of `keys` (all when None)."""
+        want = None if keys is None else frozenset(keys)
+        for p in [q for q in self._items if want is None or q.keys & want]:
             self._drop(p)
+
+    def discard(self, claimed: list[Prepared]) -> None:
+        """Claimed replies that will not be sent after all (the fetch failed)."""
+        for p in claimed:
+            self._discard(p)
 
     def _drop(self, p: Prepared) -> None:
         self._items.remove(p)

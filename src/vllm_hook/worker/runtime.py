@@ -289,6 +289,7 @@ class HookRuntime:
         self._step = self._repeated = None
         self._steer_dirty = 0
         self.bufs.op_idx.zero_()             # no stale steering in any later step
+        self.prepared.drop()                 # their fetches get the off message
 
     def _off_message(self) -> str:
         return f"vllm_hook turned itself off on this worker ({self.off}): nothing was captured, steered or hooked"
@@ -549,7 +550,10 @@ class HookRuntime:
     def _expire(self) -> None:
         now = time.monotonic()
         ttl = self.cfg.result_ttl_s
-        for rid in [r for r, q in self.done.items() if now - (q.finished_at or now) > ttl]:
+        expired = [r for r, q in self.done.items() if now - (q.finished_at or now) > ttl]
+        if expired and self.prepared:
+            self.prepared.drop([self.done[r].key for r in expired])
+        for rid in expired:
             del self.done[rid]
 
     @property
@@ -797,10 +801,14 @@ class HookRuntime:
         if not prepared:
             reply = self._reply(keys, list(self._take(keys, running)), spill)
         else:
-            # Their requests taken (copies waited for); the rest answered now, beside them
-            covered = frozenset().union(*(p.keys for p in prepared))
-            rest = [t for t in self._take(keys, running) if t[1].key not in covered]
-            reply = self._reply([k for k in keys if k not in covered], rest, spill)
+            # Their requests taken; the rest answered now, beside them
+            try:
+                covered = frozenset().union(*(p.keys for p in prepared))
+                rest = [t for t in self._take(keys, running) if t[1].key not in covered]
+                reply = self._reply([k for k in keys if k not in covered], rest, spill)
+            except BaseException:
+                self.prepared.discard(prepared)        # not sent: their pieces stay here
+                raise
             reply["more"] = [{"batch": p.reply["batch"], "entries": p.reply["entries"]} for p in prepared]
         self.timing["fetches"] += 1
         self.timing["fetch_s"] += time.perf_counter() - t0
@@ -885,11 +893,17 @@ class HookRuntime:
         return out
 
     def _claim(self, keys: list[str]) -> list[Prepared]:
-        """The prepared replies within `keys`, still valid (`PreparedReplies.claim`)."""
-        if self.off:
+        """The prepared replies within `keys`, still valid (`PreparedReplies.claim`), for a
+        fetch whose frontend maps the arena they lend from. The requests' copies in flight
+        are handed over first (`settle`): rows routed after a reply was made (a preempted
+        request's recompute) make it stale."""
+        arena = self.collector.arena
+        if self.off or arena is None or arena.token.hex() not in self._lent_to:
             self.prepared.drop(keys)
             return []
         want = set(keys)
+        owners = {r for reqs in (self.requests, self.done) for r in reqs.values() if r.key in want and not r.fetched}
+        self.collector.settle(owners)
         return self.prepared.claim(want, self._unfetched(want))
 
     def _hook_tensors(self, req: HookRequest, meta: dict) -> dict[str, torch.Tensor]:
@@ -969,7 +983,8 @@ class HookRuntime:
             "persistent_hook_results": len(self.hooks.persistent_results) if self.hooks else 0,
             "timing": {**self.timing, **(self.hooks.timing if self.hooks else {}),
                        # fetches answered by a reply made ahead (`_prepare`); replies made for nothing
-                       "fetches_prepared": self.prepared.used, "prepared_dropped": self.prepared.dropped,
+                       "fetches_prepared": self.prepared.used, "prepared_made": self.prepared.made,
+                       "prepared_dropped": self.prepared.dropped,
                        # the host waiting for the device's copies: routing arrays, captured rows
                        "wait_staging_s": self.staging.wait_s, "wait_copies_s": self.collector.wait_s,
                        **process_clock().counters()},
