@@ -982,7 +982,7 @@ class HookRuntime:
             "persistent_hooks": len(self.hooks.persistent) if self.hooks else 0,
             "persistent_hook_results": len(self.hooks.persistent_results) if self.hooks else 0,
             "timing": {**self.timing, **(self.hooks.timing if self.hooks else {}),
-                       # fetches answered by a reply made ahead (`_prepare`); replies made for nothing
+                       # fetch replies made ahead (`_prepare`): used by a fetch, made, dropped unused
                        "fetches_prepared": self.prepared.used, "prepared_made": self.prepared.made,
                        "prepared_dropped": self.prepared.dropped,
                        # the host waiting for the device's copies: routing arrays, captured rows
