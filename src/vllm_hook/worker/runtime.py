@@ -904,7 +904,10 @@ class HookRuntime:
         want = set(keys)
         owners = {r for reqs in (self.requests, self.done) for r in reqs.values() if r.key in want and not r.fetched}
         self.collector.settle(owners)
-        return self.prepared.claim(want, self._unfetched(want))
+        unfetched: dict[str, int] = {}
+        for r in owners:
+            unfetched[r.key] = unfetched.get(r.key, 0) + 1
+        return self.prepared.claim(want, unfetched)
 
     def _hook_tensors(self, req: HookRequest, meta: dict) -> dict[str, torch.Tensor]:
         """The request's hook results: their tensors, and their structure into `meta`."""
