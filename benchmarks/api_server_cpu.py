@@ -5,7 +5,7 @@
 A served batch's requests reach and leave one API server event loop together, so what the
 plugin adds there per request is paid serially (docs/benchmarks.md, runs 129 to 131). This
 measures it where GPU time is not needed: one `vllm serve` of the tiny 28-layer Qwen2 (CPU,
-eager), `--requests` completions per round (32-token prompts, 1 generated token,
+eager), `--requests` completions per round (32-token prompts, `--max-tokens` generated, default 1,
 `--in-flight` at a time, default 16, or with `--batches` in batches of that many sent at once
 and awaited together, as a GPU batch's requests arrive and finish; `vllm_hook.AsyncClient`), rounds of each workload alternating with plain ones, each
 round's CPU time per request read from the API server's event-loop thread (its main thread)
@@ -47,13 +47,13 @@ def clocks(proc: psutil.Process) -> tuple[float, float]:
 
 
 async def one_round(client: AsyncClient, proc: psutil.Process, spec_of, n: int, seed: int,
-                    in_flight: int, batches: bool = False) -> dict:
+                    in_flight: int, batches: bool = False, max_tokens: int = 1) -> dict:
     ps = prompts(n, 32, 512, seed=seed)
     gate = asyncio.Semaphore(in_flight)
 
     async def one(i: int):
         async with gate:
-            g = await client.generate(ps[i], spec_of(i) if spec_of else None, max_tokens=1,
+            g = await client.generate(ps[i], spec_of(i) if spec_of else None, max_tokens=max_tokens,
                                       temperature=0.0, ignore_eos=True)
             if spec_of and (g.results is None or not g.results.ok):
                 raise RuntimeError(f"request failed: {g.results and g.results.errors}")
@@ -88,7 +88,7 @@ async def bench(args, url: str, pid: int, out: Path) -> dict:
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
             got = await one_round(client, proc, None if name == "plain" else wl[name], args.requests, seed,
-                                  args.in_flight, args.batches)
+                                  args.in_flight, args.batches, args.max_tokens)
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait()
@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=16, help="requests sent at once")
     ap.add_argument("--batches", action="store_true", help="send --in-flight requests at a time, each batch awaited")
     ap.add_argument("--workloads", nargs="+", default=["steer_add_all_layers"])
+    ap.add_argument("--max-tokens", type=int, default=1,
+                    help="tokens generated a request (above 1, a capture complete at its prompt is fetched "
+                         "while its request decodes, as on a GPU at 128)")
     ap.add_argument("--out", default="/tmp/api_server_cpu")
     ap.add_argument("--py-spy", help="path of the py-spy binary: record each round's stacks")
     args = ap.parse_args()

@@ -156,7 +156,8 @@ async def profile(args, engine, out: Path) -> list[str]:
                     files[(variant, proc)] = f
                     spies.append(subprocess.Popen(
                         [args.py_spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw",
-                         "-o", str(f), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                         "-o", str(f), *(["--native"] if args.native else ["--nonblocking"])],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 time.sleep(1.0)          # py-spy attaches
                 t = await engine.batches(n, plen, gen, sp, args.reps, 100)
                 for s in spies:
@@ -202,6 +203,8 @@ def main() -> None:
     ap.add_argument("--varied-lengths", action="store_true", help="prompts of lengths spread over [P / 2, 3 P / 2)")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples a second")
+    ap.add_argument("--native", action="store_true", help="py-spy's --native: C and C++ frames too (CUDA calls); it pauses the "
+                    "process at each sample (no --nonblocking), so batches run slower")
     ap.add_argument("--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")))
     ap.add_argument("--shape", default="qwen2-1.5b", help="a random checkpoint of this shape when no --model")
     ap.add_argument("--gpu-mem", type=float, default=0.3)

@@ -268,6 +268,27 @@ def test_decode_rows_are_lent_from_the_arena_part_by_part(llm):
             assert rel_err(got.activations["resid_post"][L], again.activations["resid_post"][L]) <= 1e-4, L
 
 
+def test_every_token_capture_of_one_token_requests_is_answered_from_their_prefill_step(llm):
+    """A request generating one token forwards its prompt only (max_tokens rides the wire as
+    "M"): its every-token capture ends with its prefill step, whose reply the worker makes
+    then (`worker.prepared`) and the call's fetch takes. Rows equal the same prompts' "prompt"
+    capture (fp32, <= 1e-5), beside requests of the same batch that generate more tokens and
+    keep theirs to the end."""
+    ids = [ids_of(llm, PROMPTS[i % len(PROMPTS)] + " x" * (40 + i)) for i in range(8)]
+    spec = {"capture": [{"layers": "all", "tokens": "all"}]}
+    run(llm, ids[:2], [sp(spec, max_tokens=1)] * 2)          # the frontend has mapped the arena
+    prepared = vllm_hook.stats(llm)["timing"]["fetches_prepared"]
+    outs = run(llm, ids, [sp(spec, max_tokens=1)] * 6 + [sp(spec, max_tokens=4)] * 2)
+    assert vllm_hook.stats(llm)["timing"]["fetches_prepared"] > prepared
+    for i, o in enumerate(outs):
+        got = res(o)
+        seq = ids[i] + list(o.outputs[0].token_ids)[:-1]
+        ref = res(run(llm, [seq], [sp({"capture": [{"layers": "all", "tokens": "prompt"}]}, max_tokens=1)])[0])
+        for L in range(4):
+            assert got.positions["resid_post"][L].tolist() == list(range(len(seq))), (i, L)
+            assert rel_err(got.activations["resid_post"][L], ref.activations["resid_post"][L]) <= 1e-5, (i, L)
+
+
 def test_last_token_rows_are_lent_as_one_range_of_their_step(llm):
     """A batch's last-token rows lie back to back in their prefill step's block of the worker's
     arena: a fetch lends them as one reference (a range per step; rows of a step too small for

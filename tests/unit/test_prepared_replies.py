@@ -6,6 +6,7 @@ the arena are never read early (`lend_only`), and nothing stays lent from a drop
 from __future__ import annotations
 
 import gc
+import sys
 
 import numpy as np
 import pytest
@@ -38,10 +39,10 @@ def _worker() -> HookRuntime:
     return rt
 
 
-def _admit(rt: HookRuntime, tag: str, spec=SPEC) -> list[str]:
+def _admit(rt: HookRuntime, tag: str, spec=SPEC, **wire) -> list[str]:
     res = resolve(parse_spec(spec), INFO, CFG, P, lambda n: None, max_model_len=64)
     ids = [f"{tag}{i}" for i in range(N)]
-    rt.on_events(SchedulerEvents(new=tuple(NewRequest(r, {**res.wire, "key": r}, P) for r in ids)))
+    rt.on_events(SchedulerEvents(new=tuple(NewRequest(r, {**res.wire, **wire, "key": r}, P) for r in ids)))
     return ids
 
 
@@ -165,6 +166,33 @@ def test_requests_that_read_generated_tokens_are_not_prepared():
     assert rt.prepared.made == 0              # routed beyond the prompt: not done at this step
     got = _results(rt.fetch(ids, None, arenas))
     assert all(len(pts) == 1 for pts, _ in got.values())
+
+
+def test_all_token_captures_of_one_token_requests_end_at_their_prompt(monkeypatch):
+    """max_tokens (the wire's "M") bounds open-ended routes: a request generating one token
+    forwards its prompt only, so its every-token capture is whole after its prefill step and
+    is prepared, equal to the reply made at the fetch; with two tokens it routes one more.
+    16 prompts of 40 tokens: each request's rows (160 KiB) are lent on their own."""
+    monkeypatch.setattr(sys.modules[__name__], "P", 40)
+    monkeypatch.setattr(sys.modules[__name__], "N", 16)
+    spec = {"capture": [{"layers": [0, 1, 2, 3], "tokens": "all"}]}
+    rt = _worker()
+    arenas = ARENAS.tokens()
+    rt.fetch([], None, arenas)
+    ids = _admit(rt, "o", spec, M=1)
+    assert all(rt.requests[r].horizon == 39 for r in ids)
+    _prefill(rt, ids, seed=9)
+    assert rt.prepared.made == 1 and not rt.active
+    early = _results(rt.fetch(ids, None, arenas))
+    assert rt.prepared.used == 1
+    rt._lent_to = ()
+    late_ids = _admit(rt, "q", spec, M=1)
+    _prefill(rt, late_ids, seed=9)
+    late = _results(rt.fetch(late_ids, None, arenas))
+    _same(early, {f"o{k[1:]}": v for k, v in late.items()})
+    assert all(len(pts) == 4 and all(len(pos) == 40 for pos, _ in pts.values()) for pts, _ in early.values())
+    two = _admit(rt, "t", spec, M=2)
+    assert all(rt.requests[r].horizon == 40 for r in two) and set(two) <= set(rt.active)
 
 
 def test_lend_only_never_sends_rows_by_value():

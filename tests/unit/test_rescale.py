@@ -323,3 +323,21 @@ def test_equal_numbers_are_one_steering_whatever_their_spelling():
     a, b = _full(ints), _full(floats)
     assert a.steer_digest == b.steer_digest and a.wire["steer"] == b.wire["steer"]
     assert rescaled(_template(floats), split(ints)[1], 10).steer_digest == a.steer_digest
+
+
+def test_a_capturing_requests_max_tokens_rides_its_own_wire():
+    """"M" (the worker ends open-ended routes at the last forwarded position) is each
+    request's own, however many share the spec; a steering-only wire has none."""
+    ip, _ = _frontend()
+    spec = {"capture": [{"layers": [1], "tokens": "all"}]}
+    wires = []
+    for i, m in enumerate([1, 7, None]):
+        r = _request(spec)
+        r.sampling_params.max_tokens = m
+        _admit(ip, str(i), r)
+        wires.append(r.sampling_params.extra_args["vllm_hook"])
+    assert [w.get("M") for w in wires] == [1, 7, None]
+    r = _request(SHAPES[0])
+    r.sampling_params.max_tokens = 4
+    _admit(ip, "s", r)
+    assert "M" not in r.sampling_params.extra_args["vllm_hook"]

@@ -68,3 +68,11 @@ def test_malformed_coefficient_bytes(c):
     with pytest.raises(ValueError, match="malformed|coefficients"):
         check_coefficients(c, 1)
     assert check_coefficients(np.array([1, 0, 0, -math.inf, math.inf]).tobytes(), 1).shape == (1, 5)
+
+
+@pytest.mark.parametrize("m", [0, -1, "3", True, 2.0, None])
+def test_a_max_tokens_that_is_not_a_positive_integer_is_refused(m):
+    """The wire's "M" (the request's max_tokens, `frontend.admission`) bounds its routes."""
+    check_wire({"P": 8, "M": 5}, L, H, POINTS)
+    with pytest.raises(ValueError, match="max_tokens"):
+        check_wire({"P": 8, "M": m}, L, H, POINTS)

@@ -164,6 +164,11 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
         res = dataclasses.replace(res, stack_layers=tuple(stack))
     if res.items:
         _check_capture_bytes(st, res, prompt_len, sp)
+        max_tokens = getattr(sp, "max_tokens", None)
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1:
+            # Its last forwarded position is prompt_len + max_tokens - 2 (the last token is
+            # sampled, never forwarded): workers end open-ended captures there.
+            res.wire["M"] = max_tokens
     elif not res.hooks and not st.persistent_hooks and getattr(sp, "n", 1) == 1:
         # Steering only: delivered without a fetch if its workers mark it clean. Not n > 1:
         # its children would share one ticket, and one child's clean mark hide another's error.

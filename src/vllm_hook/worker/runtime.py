@@ -369,6 +369,8 @@ class HookRuntime:
         share = self.shared_steering.get(req.steer_share) if req.steer_share else None
         req.routes = RequestRoutes(P, steer, capture, share.groups if share else None, cap_groups)
         req.horizon = req.routes.horizon
+        if "M" in wire:             # no position past the last forwarded one (`frontend.admission`)
+            req.horizon = min(req.horizon, P + int(wire["M"]) - 2)
         if self.hooks is not None and (wire.get("hooks") or self.hooks.persistent):
             self._add_hooks(req, wire.get("hooks", ()))
         if req.routes.steer or req.routes.capture or req.hooks:
@@ -864,8 +866,11 @@ class HookRuntime:
             return
         t0 = time.perf_counter()
         try:
+            # Not a request whose generated tokens' rows came in decode steps: those rows are
+            # not lent from the arena (its reply could not be made, `NotLent`).
             take = [r for r in reqs if r.key and not r.fetched and r.hooks is None and r.hook_results is None
-                    and not r.attn_jobs and (r.routes.capture or r.errors)]
+                    and not r.attn_jobs and (r.routes.capture or r.errors)
+                    and (r.routes.horizon < float("inf") or r.horizon < r.prompt_len)]
             if not take:
                 return
             keys = {r.key for r in take}

@@ -44,6 +44,8 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, ste
     the request takes the checked routes of another that steers (captures) alike (its own are
     never read), so they are not checked again."""
     _int(wire.get("P"), 1, MAX_POSITION, "prompt length")
+    if "M" in wire:
+        _int(wire["M"], 1, MAX_POSITION, "max_tokens")
     for i, c in enumerate(wire.get("cap", ()) if caps else ()):
         what = f"capture {i}"
         L = _int(c.get("layer"), 0, num_layers, f"{what} layer")
