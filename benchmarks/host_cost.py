@@ -79,7 +79,7 @@ def frontend(cfg: HookConfig) -> SimpleNamespace:
 
 
 def admit_batch(ip, spec: dict, n: int, cache: bool, one_object: bool = False,
-                varied: bool = False, own_scale=None) -> tuple[float, list]:
+                varied: bool = False, own_scale=None, max_tokens: int = 2) -> tuple[float, list]:
     """Seconds per request of the frontend's admission of `n` requests of `spec`: each its own
     copy of it (served: one parsed body per HTTP request), or with `one_object` the one
     object offline `LLM.generate` passes through for every prompt (`admission.Sealed`) in
@@ -91,7 +91,7 @@ def admit_batch(ip, spec: dict, n: int, cache: bool, one_object: bool = False,
     reqs = [SimpleNamespace(sampling_params=SimpleNamespace(
         extra_args={"vllm_hook": shared if one_object else
                     json.loads(json.dumps(_own_scale(spec, own_scale(i)) if own_scale else spec))},
-        skip_reading_prefix_cache=False), prompt_token_ids=list(range(P - 64 + i % 128 if varied else P)),
+        skip_reading_prefix_cache=False, max_tokens=max_tokens), prompt_token_ids=list(range(P - 64 + i % 128 if varied else P)),
         cache_salt=None) for i in range(n)]
     with one_call():
         t = time.perf_counter()
@@ -173,11 +173,12 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
     """One batch of `n` requests of spec `name` through admission, routing, finish and
     delivery; µs per request by stage."""
     spec, own = SPECS[name], OWN_SCALE.get(name)
-    cold, _ = admit_batch(ip, spec, n, cache=False, own_scale=own)
+    m = args.decode_steps + 1             # max_tokens: the last token is sampled, never forwarded
+    cold, _ = admit_batch(ip, spec, n, cache=False, own_scale=own, max_tokens=m)
     # (one object for every prompt cannot give each its own scale)
-    offline, _ = admit_batch(ip, spec, n, cache=True, one_object=not own, own_scale=own)
-    varied, _ = admit_batch(ip, spec, n, cache=True, varied=True, own_scale=own)
-    warm, reqs = admit_batch(ip, spec, n, cache=True, own_scale=own)
+    offline, _ = admit_batch(ip, spec, n, cache=True, one_object=not own, own_scale=own, max_tokens=m)
+    varied, _ = admit_batch(ip, spec, n, cache=True, varied=True, own_scale=own, max_tokens=m)
+    warm, reqs = admit_batch(ip, spec, n, cache=True, own_scale=own, max_tokens=m)
     new = tuple(NewRequest(f"{i}-r{rnd:07d}", r.sampling_params.extra_args["vllm_hook"], P) for i, r in enumerate(reqs))
     t = time.perf_counter()
     rt.on_events(SchedulerEvents(new=new))
