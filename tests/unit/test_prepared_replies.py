@@ -193,6 +193,15 @@ def test_all_token_captures_of_one_token_requests_end_at_their_prompt(monkeypatc
     assert all(len(pts) == 4 and all(len(pos) == 40 for pos, _ in pts.values()) for pts, _ in early.values())
     two = _admit(rt, "t", spec, M=2)
     assert all(rt.requests[r].horizon == 40 for r in two) and set(two) <= set(rt.active)
+    # rows of decode steps are not lent from the arena: no reply is tried for such requests
+    _prefill(rt, two, seed=3)
+    tried = []
+    rt._reply = lambda *a, **k: tried.append(a)
+    rt.begin_step(StepView(index={r: i for i, r in enumerate(two)}, query_start_loc=np.arange(len(two) + 1, dtype=np.int32),
+                           num_computed=np.full(len(two), 40, dtype=np.int32), num_tokens=len(two),
+                           num_tokens_padded=len(two)))
+    rt.end_step()
+    assert not rt.active and not tried
 
 
 def test_lend_only_never_sends_rows_by_value():

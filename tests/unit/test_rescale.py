@@ -341,3 +341,29 @@ def test_a_capturing_requests_max_tokens_rides_its_own_wire():
     r.sampling_params.max_tokens = 4
     _admit(ip, "s", r)
     assert "M" not in r.sampling_params.extra_args["vllm_hook"]
+    # nothing is forwarded past max_model_len (64 here): "unlimited" is bounded by it
+    r = _request(spec)
+    r.sampling_params.max_tokens = 1 << 62
+    _admit(ip, "big", r)
+    assert r.sampling_params.extra_args["vllm_hook"]["M"] == 64
+    # a resumable request's next chunk resets its max_tokens: no bound
+    r = _request(spec)
+    r.sampling_params.max_tokens, r.resumable = 3, True
+    _admit(ip, "resumable", r)
+    assert "M" not in r.sampling_params.extra_args["vllm_hook"]
+
+
+def test_no_max_tokens_bound_where_the_engine_forwards_draft_tokens():
+    """Speculative decoding forwards draft tokens past a request's last kept position, and
+    forwards rejected ones again: its routes stay open to the end."""
+    from vllm_hook.adapters.requests import forwards_drafts
+
+    assert forwards_drafts(SimpleNamespace(speculative_config=object()))
+    assert forwards_drafts(SimpleNamespace(speculative_config=None, diffusion_config=object()))
+    assert not forwards_drafts(SimpleNamespace(speculative_config=None))
+    ip, st = _frontend()
+    st.drafts = True
+    r = _request({"capture": [{"layers": [1], "tokens": "all"}]})
+    r.sampling_params.max_tokens = 3
+    _admit(ip, "d", r)
+    assert "M" not in r.sampling_params.extra_args["vllm_hook"]

@@ -41,6 +41,14 @@ def engine_facts(input_processor: Any) -> tuple[Any, ModelInfo, int]:
     return input_processor.vllm_config, model_info(mc), int(mc.max_model_len)
 
 
+def forwards_drafts(vllm_config: Any) -> bool:
+    """Whether the engine forwards tokens it may not keep: speculative decoding's draft tokens,
+    a diffusion model's. Their positions can pass a request's max_tokens, and rejected ones
+    are forwarded again: no route may end at the last position a request keeps."""
+    return (getattr(vllm_config, "speculative_config", None) is not None
+            or getattr(vllm_config, "diffusion_config", None) is not None)
+
+
 def model_info(model_config: Any) -> ModelInfo:
     """The model facts specs are checked against, from vLLM's ModelConfig."""
     hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config

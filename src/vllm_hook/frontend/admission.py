@@ -87,6 +87,19 @@ def _check_capture_bytes(st, res, prompt_len: int, sp: Any) -> None:
                         "vllm_hook.max_capture_bytes_per_request")
 
 
+def _bound(st, request: Any, sp: Any, res: Resolved) -> None:
+    """Put the request's max_tokens on its wire ("M"): its last forwarded position is
+    prompt_len + max_tokens - 2 (the last token is sampled, never forwarded), where workers
+    end its open-ended routes. Not where positions may pass it: draft tokens (speculative
+    decoding, diffusion) or a resumable request (a streamed input's next chunk resets
+    max_tokens); nothing is forwarded past max_model_len."""
+    max_tokens = getattr(sp, "max_tokens", None)
+    if (st.drafts or getattr(request, "resumable", False) or not isinstance(max_tokens, int)
+            or isinstance(max_tokens, bool) or max_tokens < 1):
+        return
+    res.wire["M"] = min(max_tokens, st.max_model_len)
+
+
 def admit(input_processor: Any, request_id: str, request: Any) -> None:
     """Resolve the spec carried by `request` (an EngineCoreRequest) in place."""
     t0 = time.perf_counter()
@@ -164,11 +177,7 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
         res = dataclasses.replace(res, stack_layers=tuple(stack))
     if res.items:
         _check_capture_bytes(st, res, prompt_len, sp)
-        max_tokens = getattr(sp, "max_tokens", None)
-        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1:
-            # Its last forwarded position is prompt_len + max_tokens - 2 (the last token is
-            # sampled, never forwarded): workers end open-ended captures there.
-            res.wire["M"] = max_tokens
+        _bound(st, request, sp, res)
     elif not res.hooks and not st.persistent_hooks and getattr(sp, "n", 1) == 1:
         # Steering only: delivered without a fetch if its workers mark it clean. Not n > 1:
         # its children would share one ticket, and one child's clean mark hide another's error.

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ..adapters.requests import engine_facts
+from ..adapters.requests import engine_facts, forwards_drafts
 from ..config import HookConfig
 from ..gc_clock import process_clock
 from ..model.layout import PointTable
@@ -34,6 +34,7 @@ class FrontendState:
     info: ModelInfo
     points: PointTable
     max_model_len: int
+    drafts: bool = False           # the engine forwards draft tokens (`adapters.requests.forwards_drafts`)
     names: dict[str, tuple[str, float]] = field(default_factory=dict)   # name -> (digest, norm)
     pending: dict[str, tuple[float, Resolved]] = field(default_factory=dict)
     persistent_hooks: int = 0      # registered on the workers: every request is hooked
@@ -109,7 +110,7 @@ def state_of(input_processor: Any) -> FrontendState:
             vc, info, max_model_len = engine_facts(input_processor)
             cfg = HookConfig.from_vllm_config(vc)
             st = FrontendState(cfg=cfg, info=info, points=PointTable.for_config(info.num_layers, cfg),
-                               max_model_len=max_model_len)
+                               max_model_len=max_model_len, drafts=forwards_drafts(vc))
             input_processor.__dict__[STATE_ATTR] = st
     return st
 
