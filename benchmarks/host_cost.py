@@ -6,8 +6,10 @@ No engine: the frontend's admission (parse and resolve, the resolution cache on 
 worker's admission and finish (`HookRuntime.on_events`) and the delivery of a small capture
 (the worker's fetch into safetensors; the frontend's delivery as `attach` runs it, its read and
 `Results` build apart), `--rounds` batches through one worker (medians reported), for a batch of
-`--requests` requests on a 28-layer, 1536-wide model; with `--served`, also what a served
-response adds: the client's request body for the spec, the server's encoding of each
+`--requests` requests on a 28-layer, 1536-wide model, each with max_tokens `--decode-steps` + 1
+as an engine's (with 0, a capture ends at its prefill step and, from the second round on, the
+worker makes its fetch reply there: counted in the prefill routing, no longer in the fetch);
+with `--served`, also what a served response adds: the client's request body for the spec, the server's encoding of each
 request's results (`server.encode`) and the client's decoding (`Results.from_bytes`; a
 steering-only result from its choice's tokens), for results built in float32 (as offline) and
 in the model's dtype, widened where loaded (as served). Prints microseconds per request.
@@ -210,7 +212,7 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
         arenas = ARENAS.tokens()
         st.arena_tokens = (rt.collector.arena.token.hex(),)
     items = st.pending["0"][1].items          # request 0 of the batch, as admitted
-    gen = list(range(1, args.decode_steps + 1))
+    gen = list(range(1, args.decode_steps + 2))       # max_tokens: the last one sampled, not forwarded
     outputs = [SimpleNamespace(request_id=str(i), prompt_token_ids=list(range(P)), finished=True,
                                outputs=[SimpleNamespace(index=0, token_ids=list(gen))]) for i in range(n)]
     todo = [(o, st.pop_pending(o.request_id)) for o in outputs]

@@ -367,3 +367,18 @@ def test_no_max_tokens_bound_where_the_engine_forwards_draft_tokens():
     r.sampling_params.max_tokens = 3
     _admit(ip, "d", r)
     assert "M" not in r.sampling_params.extra_args["vllm_hook"]
+
+
+def test_the_vllm_fields_the_bound_reads_exist():
+    """`forwards_drafts` and `resumable` read vLLM's fields with defaults: a rename would put
+    the bound back under speculative decoding or streamed input, silently."""
+    import dataclasses
+
+    from vllm.config import VllmConfig
+    from vllm.v1.engine import EngineCoreRequest
+
+    from vllm_hook.adapters.requests import forwards_drafts
+
+    assert {"speculative_config", "diffusion_config"} <= {f.name for f in dataclasses.fields(VllmConfig)}
+    assert "resumable" in EngineCoreRequest.__struct_fields__
+    assert not forwards_drafts(VllmConfig())

@@ -20,6 +20,11 @@ def prompt_len_of(request: Any) -> int:
     return len(ids) if ids is not None else int(request.prompt_embeds.shape[0])
 
 
+def resumable(request: Any) -> bool:
+    """Whether a streamed input's later chunks continue the request (each resets max_tokens)."""
+    return bool(getattr(request, "resumable", False))
+
+
 def add_cache_salt(request: Any, salt: str) -> None:
     """Append `salt` to the request's prefix-cache salt: its KV blocks hash apart from others'."""
     request.cache_salt = f"{request.cache_salt}|{salt}" if request.cache_salt else salt

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any
 
-from ..adapters.requests import add_cache_salt, params_of, prompt_len_of
+from ..adapters.requests import add_cache_salt, params_of, prompt_len_of, resumable
 from ..spec.errors import SpecError
 from ..spec.lens import has_lens_args, translate
 from ..spec.rescale import rescaled, split, template
@@ -94,7 +94,7 @@ def _bound(st, request: Any, sp: Any, res: Resolved) -> None:
     decoding, diffusion) or a resumable request (a streamed input's next chunk resets
     max_tokens); nothing is forwarded past max_model_len."""
     max_tokens = getattr(sp, "max_tokens", None)
-    if (st.drafts or getattr(request, "resumable", False) or not isinstance(max_tokens, int)
+    if (st.drafts or resumable(request) or not isinstance(max_tokens, int)
             or isinstance(max_tokens, bool) or max_tokens < 1):
         return
     res.wire["M"] = min(max_tokens, st.max_model_len)
