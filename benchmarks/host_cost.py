@@ -9,16 +9,18 @@ worker's admission and finish (`HookRuntime.on_events`) and the delivery of a sm
 `--requests` requests on a 28-layer, 1536-wide model, each with max_tokens `--decode-steps` + 1
 as an engine's (with 0, a capture ends at its prefill step and, from the second round on, the
 worker makes its fetch reply there: counted in the prefill routing, no longer in the fetch);
-with `--served`, also what a served response adds: the client's request body for the spec, the server's encoding of each
-request's results (`server.encode`) and the client's decoding (`Results.from_bytes`; a
-steering-only result from its choice's tokens), for results built in float32 (as offline) and
-in the model's dtype, widened where loaded (as served). Prints microseconds per request.
-A smoke test runs it in CI; the figures of record are the GPU's (benchmarks/throughput.py).
+with `--served`, also what a served response adds: the client's request body for the spec, the
+server's encoding of each request's results (`server.encode`) and the client's decoding
+(`Results.from_bytes`; a steering-only result from its choice's tokens), for results built in
+float32 (as offline) and in the model's dtype, widened where loaded (as served). Prints
+microseconds per request. A smoke test runs it in CI; the figures of record are the GPU's
+(benchmarks/throughput.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -175,12 +177,13 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
     """One batch of `n` requests of spec `name` through admission, routing, finish and
     delivery; µs per request by stage."""
     spec, own = SPECS[name], OWN_SCALE.get(name)
-    m = args.decode_steps + 1             # max_tokens: the last token is sampled, never forwarded
-    cold, _ = admit_batch(ip, spec, n, cache=False, own_scale=own, max_tokens=m)
+    # max_tokens: the last token is sampled, never forwarded
+    admit = functools.partial(admit_batch, ip, spec, n, own_scale=own, max_tokens=args.decode_steps + 1)
+    cold, _ = admit(cache=False)
     # (one object for every prompt cannot give each its own scale)
-    offline, _ = admit_batch(ip, spec, n, cache=True, one_object=not own, own_scale=own, max_tokens=m)
-    varied, _ = admit_batch(ip, spec, n, cache=True, varied=True, own_scale=own, max_tokens=m)
-    warm, reqs = admit_batch(ip, spec, n, cache=True, own_scale=own, max_tokens=m)
+    offline, _ = admit(cache=True, one_object=not own)
+    varied, _ = admit(cache=True, varied=True)
+    warm, reqs = admit(cache=True)
     new = tuple(NewRequest(f"{i}-r{rnd:07d}", r.sampling_params.extra_args["vllm_hook"], P) for i, r in enumerate(reqs))
     t = time.perf_counter()
     rt.on_events(SchedulerEvents(new=new))
