@@ -166,13 +166,16 @@ def workloads(L: int) -> dict:
         "capture_all_tokens_all_layers_model_dtype": lambda i: {"capture": [{"layers": "all", "tokens": "all"}],
                                                                 "dtype": "model"},
         "mixed_thirds": lambda i: [steer1, cap4, None][i % 3],
+        # The same with the every-token third delivered in the model's dtype: what the
+        # float32 default's widening on the host costs the mixed batch
+        "mixed_thirds_model_dtype": lambda i: [steer1, {**cap4, "dtype": "model"}, None][i % 3],
         "attention_tracker_4_layers": lambda i: {"capture": [{"site": "attn_scores", "layers": four,
                                                               "tokens": "last_prompt"}]},
     }
 
 
 # Decode-time workloads run only when named (--workloads): the throughput benchmarks' rows.
-OPT_IN = {"steer_add_all_layers_own_scale", "steer_add_all_layers_8_scales"}
+OPT_IN = {"steer_add_all_layers_own_scale", "steer_add_all_layers_8_scales", "mixed_thirds_model_dtype"}
 _FRESH = itertools.count(1)         # the own-scale workload's scales: never the same twice
 
 

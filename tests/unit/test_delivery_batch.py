@@ -1019,3 +1019,23 @@ def test_safetensors_header_read_by_msgspec_or_the_standard_library():
     odd = text[:-1] + ',"y":NaN}'
     got, at = _header(blob(odd))
     assert at == 8 + len(odd) and got["x"] == json.loads(text)["x"] and got["y"] != got["y"]
+
+
+def test_a_dropped_store_returns_its_bytes_to_the_budget():
+    """A store's bytes go back to the worker's in-flight budget when it is dropped, however
+    they came and went (its finalizer is made with its first bytes, not at admission)."""
+    import gc
+
+    from vllm_hook.delivery.store import Budget
+
+    budget = Budget(1 << 20)
+    never = RequestStore(budget)                  # steering only: holds nothing, ever
+    s = RequestStore(budget)
+    rows = torch.zeros(2, H, dtype=torch.bfloat16)
+    s.add((0,), np.array([0, 1]), rows, True)
+    for p in (2, 3, 4):                           # "last" keeps the two newest chunks
+        s.add((0,), np.array([p, p + 1]), rows, True)
+    assert budget.used == s.nbytes == 2 * rows.numel() * rows.element_size()
+    del s, never
+    gc.collect()
+    assert budget.used == 0
