@@ -28,7 +28,7 @@ from run import Record, bench_parser, host_line, model_and_base, run_meta, start
 BIG = ("capture_all_tokens_all_layers", "capture_all_tokens_all_layers_model_dtype")
 TARGETS = {("steer_add_all_layers", False): 1.03, ("steer_add_all_layers_own_scale", False): 1.03,
            ("steer_add_all_layers_8_scales", False): 1.03, ("capture_last_prompt_4_layers", False): 1.03,
-           ("mixed_thirds", False): 1.05, ("prefill", True): 1.10, **{(b, False): 1.5 for b in BIG}}
+           ("mixed_thirds", False): 1.05, ("mixed_thirds_model_dtype", False): 1.05, ("prefill", True): 1.10, **{(b, False): 1.5 for b in BIG}}
 STAGES = {  # counter (frontend or worker timing) -> stage name
     "frontend.admit_s": "admission (parse, resolve)", "worker.events_s": "worker admit/finish",
     "worker.step_host_s": "routing (per step)", "worker.drain_s": "of which stored (hand-over)",

@@ -1036,6 +1036,9 @@ def test_a_dropped_store_returns_its_bytes_to_the_budget():
     for p in (2, 3, 4):                           # "last" keeps the two newest chunks
         s.add((0,), np.array([p, p + 1]), rows, True)
     assert budget.used == s.nbytes == 2 * rows.numel() * rows.element_size()
+    assert s._finalized and not never._finalized       # made with the first bytes only
+    refused = RequestStore(Budget(1))
+    assert not refused.add((0,), np.array([0, 1]), rows, False) and not refused._finalized
     del s, never
     gc.collect()
     assert budget.used == 0
