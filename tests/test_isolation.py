@@ -268,6 +268,13 @@ def test_decode_rows_are_lent_from_the_arena_part_by_part(llm):
             assert rel_err(got.activations["resid_post"][L], again.activations["resid_post"][L]) <= 1e-4, L
 
 
+def _map_arena(llm, ids, spec) -> None:
+    """Two batches of `spec`: an engine's first fetch offers the arena, the next names it
+    mapped, so the frontend views the rows of the batches after them in place."""
+    for _ in range(2):
+        run(llm, ids, [sp(spec, max_tokens=1)] * len(ids))
+
+
 def test_every_token_capture_of_one_token_requests_is_answered_from_their_prefill_step(llm):
     """A request generating one token forwards its prompt only (max_tokens rides the wire as
     "M"): its every-token capture ends with its prefill step, whose reply the worker makes
@@ -276,8 +283,7 @@ def test_every_token_capture_of_one_token_requests_is_answered_from_their_prefil
     keep theirs to the end."""
     ids = [ids_of(llm, PROMPTS[i % len(PROMPTS)] + " x" * (40 + i)) for i in range(8)]
     spec = {"capture": [{"layers": "all", "tokens": "all"}]}
-    for _ in range(2):     # an engine's first fetch offers the arena, the next names it mapped
-        run(llm, ids[:2], [sp(spec, max_tokens=1)] * 2)
+    _map_arena(llm, ids[:2], spec)
     prepared = vllm_hook.stats(llm)["timing"]["fetches_prepared"]
     outs = run(llm, ids, [sp(spec, max_tokens=1)] * 6 + [sp(spec, max_tokens=4)] * 2)
     assert vllm_hook.stats(llm)["timing"]["fetches_prepared"] > prepared
@@ -301,8 +307,7 @@ def test_last_token_rows_are_lent_as_one_range_of_their_step(llm):
     ids = [ids_of(llm, PROMPTS[i % len(PROMPTS)] + " " + str(i)) for i in range(n)]
     sites = ("resid_post", "attn_out", "mlp_out")
     spec = {"capture": [{"layers": "all", "tokens": "last_prompt", "site": s} for s in sites]}
-    for _ in range(2):     # an engine's first fetch offers the arena, the next names it mapped
-        run(llm, ids[:2], [sp(spec, max_tokens=1)] * 2)
+    _map_arena(llm, ids[:2], spec)
     stats = vllm_hook.stats(llm)
     before, prepared = stats["arena_pieces_lent"], stats["timing"]["fetches_prepared"]
     outs = run(llm, ids, [sp(spec, max_tokens=2)] * n)
