@@ -1042,3 +1042,61 @@ def test_a_dropped_store_returns_its_bytes_to_the_budget():
     del s, never
     gc.collect()
     assert budget.used == 0
+
+
+def test_a_step_goes_to_the_host_in_float32_when_every_owner_in_its_block_takes_it_so():
+    """`Collector._wide_pools`: a block whose every segment's owner takes float32 rows (wire
+    "W") reaches the host widened (the device's conversion: the same values as the host's);
+    one shared with an owner in the model's dtype stays in it. A store keeps one dtype per
+    group, its first chunk's (bf16 -> float32 -> bf16 is exact), and the payload's parse lends
+    float32 rows as they are (fresh, no copy) where it would otherwise have widened them."""
+    import gc
+    from types import SimpleNamespace
+
+    from vllm_hook.delivery import arena as A
+    from vllm_hook.delivery.collector import Collector
+    from vllm_hook.routing import Segment, StepRouting
+
+    pool = torch.randn(4096, 64).bfloat16()
+    wide, narrow = SimpleNamespace(widen=True), SimpleNamespace(widen=False)
+    got = []
+    c = Collector([pool], lambda seg, rows: got.append((seg.owner, rows)), arena_bytes=1 << 20,
+                  widens=lambda owner: owner.widen)
+
+    def step(owners):
+        got.clear()
+        segs = [Segment(owner=o, points=(0, 1), pool_start=300 * i, positions=np.arange(150), last_only=False)
+                for i, o in enumerate(owners)]
+        c.after_forward(StepRouting(segments=segs, pool_used={0: 300 * len(owners)}))
+        return [rows for _, rows in got]
+
+    rows = step([wide, wide])
+    assert [r.dtype for r in rows] == [torch.float32] * 2 and c.arena.holds(rows[0])
+    assert torch.equal(rows[1], pool[300:600].float())
+    assert [r.dtype for r in step([wide, narrow])] == [torch.bfloat16] * 2
+    del rows
+    got.clear()
+
+    s = RequestStore()
+    s.add((0, 1), np.arange(2), pool[:4].float(), False)
+    s.add((0, 1), np.arange(2, 3), pool[4:6], False)           # a later block not widened
+    (_, pos, blocks), = s.blocks()
+    assert blocks.dtype == torch.float32 and pos.tolist() == [0, 1, 2]
+    assert torch.equal(blocks.reshape(-1, 64), torch.cat([pool[0:2], pool[4:5], pool[2:4], pool[5:6]]).float())
+    assert s.nbytes == 6 * 64 * 4
+
+    a = A.Arena(1 << 20, torch.device("cpu"))
+    front = A.FrontendArenas()
+    front.adopt(a.offer())
+    lent = a.alloc((2, 200, 64), torch.float32).normal_()
+    wire = batch_to_wire([({"req_id": "0"}, {"g1-2": lent, "g1-2.pos": torch.arange(200)})], None, None, a)
+    (pts, meta), = parse_batch(wire["blob"], "float32", front.views(wire["lent"]), lend_float32=True)
+    assert meta["_fresh"] == {1, 2} and meta["_owned"] and torch.equal(pts[2][1], lent[1])
+    lent[1, 0, 0] = 42.0
+    assert pts[2][1][0, 0] == 42.0                              # the arena's rows, not a copy
+    (pts, _), = parse_batch(wire["blob"], "float32", front.views(wire["lent"]))    # a float32 model's
+    lent[1, 0, 0] = 7.0
+    assert pts[2][1][0, 0] == 42.0                              # copied
+    del pts, meta, lent, wire
+    gc.collect()
+    assert a.stats()["arena_used_bytes"] == 0

@@ -285,14 +285,15 @@ def device(monkeypatch):
 
     original = C.Collector._to_host
 
-    def to_host(self, t, arena=None):
+    def to_host(self, t, arena=None, dtype=None):
         if not self.on_device:                    # a reference worker: copies at once
-            return original(self, t, arena)
-        host = arena.alloc(t.shape, t.dtype) if arena is not None else None
+            return original(self, t, arena, dtype)
+        dtype = dtype or t.dtype
+        host = arena.alloc(t.shape, dtype) if arena is not None else None
         if host is None:
-            host = torch.empty(t.shape, dtype=t.dtype)
+            host = torch.empty(t.shape, dtype=dtype)
         host.fill_(float("nan"))
-        queued.append((host, t.clone()))
+        queued.append((host, t.to(dtype)))
         return host
 
     monkeypatch.setattr(torch.cuda, "Event", Event)

@@ -144,12 +144,12 @@ def test_admission_takes_the_shape_path_from_the_second_spec_of_a_shape_on():
         assert len(st.resolved._shapes) == (1 if i >= 1 else 0)
     for f, w in zip([1.0, 2.0, 3.0, 4.0], wires):
         full = _full(_scaled(SHAPES[3], f)).wire
-        assert {**w, "key": None, "t": None} == {**full, "key": None, "t": None}
+        assert {**w, "key": None, "t": None, "W": None} == {**full, "key": None, "t": None, "W": None}
     # its positions count from the prompt's end: another prompt length resolves in full
     r = _request(_scaled(SHAPES[3], 5.0), prompt_len=12)
     _admit(ip, "12", r)
     full = _full(_scaled(SHAPES[3], 5.0), 12).wire
-    assert {**r.sampling_params.extra_args["vllm_hook"], "key": None} == {**full, "key": None}
+    assert {**r.sampling_params.extra_args["vllm_hook"], "key": None, "W": None} == {**full, "key": None, "W": None}
     assert full["steer"] != _full(_scaled(SHAPES[3], 5.0), 10).wire["steer"]
     # an out-of-bounds number on the shape path gets the full way's error
     with pytest.raises(SpecError, match="steer"):
@@ -171,7 +171,7 @@ def test_a_sweep_repeating_its_strengths_finds_them_kept(raw):
     _admit(ip, "again", r)
     assert st.resolved.hits == hits + 1
     w = r.sampling_params.extra_args["vllm_hook"]
-    assert {**w, "key": None, "t": None} == {**_full(_scaled(raw, 2.0)).wire, "key": None, "t": None}
+    assert {**w, "key": None, "t": None, "W": None} == {**_full(_scaled(raw, 2.0)).wire, "key": None, "t": None, "W": None}
     w["steer"] = b"changed by its request"            # a request's wire is its own
     r2 = _request(_scaled(raw, 2.0))
     _admit(ip, "thrice", r2)
@@ -181,8 +181,8 @@ def test_a_sweep_repeating_its_strengths_finds_them_kept(raw):
     r3 = _request(_scaled(raw, 2.0), prompt_len=12)
     _admit(ip, "longer", r3)
     assert st.resolved.hits == hits + 2 + (raw is SHAPES[0])
-    assert {**r3.sampling_params.extra_args["vllm_hook"], "key": None, "t": None} == \
-        {**_full(_scaled(raw, 2.0), 12).wire, "key": None, "t": None}
+    assert {**r3.sampling_params.extra_args["vllm_hook"], "key": None, "t": None, "W": None} == \
+        {**_full(_scaled(raw, 2.0), 12).wire, "key": None, "t": None, "W": None}
 
 
 def _runtime():
@@ -351,6 +351,38 @@ def test_a_capturing_requests_max_tokens_rides_its_own_wire():
     r.sampling_params.max_tokens, r.resumable = 3, True
     _admit(ip, "resumable", r)
     assert "M" not in r.sampling_params.extra_args["vllm_hook"]
+
+
+def test_an_offline_float32_capture_of_prompt_rows_is_widened_on_the_device(monkeypatch):
+    """Wire "W" (`admission._widen_on_device`): workers send float32 rows where the frontend
+    would widen them anyway and only prompt rows are captured; never served, in the model's
+    dtype, for attention scores, for rows of generated tokens or past WIDEN_MAX_BYTES."""
+    from vllm_hook.frontend import admission
+    from vllm_hook.frontend.state import SERVED
+
+    ip, _ = _frontend()
+
+    def wire(spec, max_tokens=None):
+        r = _request(spec)
+        r.sampling_params.max_tokens = max_tokens
+        _admit(ip, "r", r)
+        return r.sampling_params.extra_args["vllm_hook"].get("W")
+
+    every = {"capture": [{"layers": [1, 2], "tokens": "all"}]}
+    assert wire({"capture": [{"layers": [1], "tokens": "last_prompt"}]}) == 1
+    assert wire({"capture": [{"layers": [1], "tokens": [0, 9]}]}) == 1      # prompt positions
+    assert wire({"capture": [{"layers": [1], "tokens": [0, 10]}]}) is None   # a generated one
+    assert wire(every, max_tokens=1) == 1 and wire(every, max_tokens=2) is None and wire(every) is None
+    assert wire({**every, "dtype": "model"}, max_tokens=1) is None
+    scores = SimpleNamespace(dtype="float32", prompt_len=10, wire={"M": 1},
+                             items=[{"site": "attn_scores", "layer": 1, "sel": "last_prompt", "pos": []}])
+    admission._widen_on_device(ip.__dict__[STATE_ATTR], scores, 64)
+    assert "W" not in scores.wire
+    monkeypatch.setattr(admission, "WIDEN_MAX_BYTES", 2 * 10 * H * 4 - 1)   # 2 layers, 10 rows
+    assert wire(every, max_tokens=1) is None
+    monkeypatch.undo()
+    monkeypatch.setitem(SERVED, "on", True)
+    assert wire(every, max_tokens=1) is None
 
 
 def test_no_max_tokens_bound_where_the_engine_forwards_draft_tokens():

@@ -5,7 +5,8 @@ host memory, with one event; nothing waits for them. Completed copies are handed
 stores at the start of a later step or when results are fetched. The next forward may
 overwrite the pools only after the copies, by stream order. On the CPU the pools already are
 host memory: copy now. Besides pool rows, a step may deliver tensors computed after the
-forward (attention weights): `extras`.
+forward (attention weights): `extras`. A block whose every request takes its rows in float32
+from its prompt alone (offline, wire "W") is converted on the device before its copy.
 
 A step of 64 KiB and more (a prompt's rows) is copied into the worker's shared arena
 (`arena`) when it has room: its rows stay there, and a fetch lends them to the frontend. Else
@@ -41,9 +42,12 @@ KEEP_PINNED_BYTES = min(4 << 30, max(1 << 30, os.sysconf("SC_PHYS_PAGES") * os.s
 
 
 class Collector:
-    def __init__(self, pools: list[torch.Tensor | None], deliver: Deliver, arena_bytes: int = 0):
+    def __init__(self, pools: list[torch.Tensor | None], deliver: Deliver, arena_bytes: int = 0,
+                 widens: Callable[[object], bool] | None = None):
         self.pools = pools
         self.deliver = deliver
+        # Whether a segment's owner takes its rows in float32 (`_wide_pools`)
+        self.widens = widens
         self.device = next(p for p in pools if p is not None).device
         self.on_device = self.device.type != "cpu"
         # Made now, not at the first large step: page-locking 4 GiB took 2.4 s on the H200
@@ -53,6 +57,7 @@ class Collector:
         self._pending: deque = deque()
         self._run: DecodeRun | None = None  # the open run, last in _pending
         self.bytes_copied = 0
+        self.widened = 0                    # blocks sent to the host in float32 (`_wide_pools`)
         self.pinned_kept = 0
         self.wait_s = 0.0                   # waiting for copies the device had not finished
 
@@ -80,9 +85,12 @@ class Collector:
             return
         hosts: dict[int, torch.Tensor] = {}
         blocks = {pid: self.pools[pid][:n] for pid, n in routing.pool_used.items() if n}
-        arena = self._arena_for(sum(b.numel() * b.element_size() for b in blocks.values()))
+        wide = self._wide_pools(blocks, routing.segments) if self.widens is not None else ()
+        arena = self._arena_for(sum(b.numel() * (4 if pid in wide else b.element_size())
+                                    for pid, b in blocks.items()))
         for pid, block in blocks.items():
-            hosts[pid] = self._to_host(block, arena)
+            hosts[pid] = self._to_host(block, arena, torch.float32 if pid in wide else None)
+        self.widened += len(wide)
         extra_hosts = [(seg, self._to_host(t)) for seg, t in extras]
         if not self.on_device:
             self.drain()        # a closed run first: its steps came before this one
@@ -92,13 +100,34 @@ class Collector:
         event.record()
         self._pending.append((event, hosts, routing.segments, extra_hosts, []))
 
+    def _wide_pools(self, blocks: dict[int, torch.Tensor], segments: list[Segment]) -> set[int]:
+        """The pools whose block this step goes to the host in float32: every segment in it is
+        of an owner that takes its rows so (`widens`: an offline float32 request whose rows all
+        come from its prompt). Widened on the device, where it costs microseconds, instead of by
+        the frontend on the host, where a mixed batch's every-token third took 63 µs a hooked
+        request against 7 in the model's dtype (run 149); the copy to the host doubles."""
+        wide = {pid for pid, b in blocks.items() if b.dtype != torch.float32}
+        for seg in segments:
+            if seg.pool in wide and not self.widens(seg.owner):
+                wide.discard(seg.pool)
+                if not wide:
+                    break
+        return wide
+
     def _arena_for(self, nbytes: int) -> Arena | None:
         """The arena, for a step of `nbytes` worth placing there."""
         return self.arena if nbytes >= MIN_BLOCK_BYTES else None
 
-    def _to_host(self, t: torch.Tensor, arena: Arena | None = None) -> torch.Tensor:
-        self.bytes_copied += t.numel() * t.element_size()
-        host = arena.alloc(t.shape, t.dtype) if arena is not None else None
+    def _to_host(self, t: torch.Tensor, arena: Arena | None = None, dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+        """`t` in host memory (`dtype`: converted to it on the way)."""
+        dtype = dtype or t.dtype
+        self.bytes_copied += t.numel() * dtype.itemsize
+        host = arena.alloc(t.shape, dtype) if arena is not None else None
+        if self.on_device and dtype != t.dtype:
+            # Converted on the device: a copy to the host cannot convert (a temporary of the
+            # caching allocator, reused only after the copy, by the stream's order).
+            t = t.to(dtype)
         if host is not None:
             if self.on_device:
                 host.copy_(t, non_blocking=True)     # page-locked: asynchronous
@@ -106,10 +135,10 @@ class Collector:
                 copy_many([(host, t)])
             return host
         if not self.on_device:
-            host = host_empty(t.shape, t.dtype)
+            host = host_empty(t.shape, dtype)
             copy_many([(host, t)])
             return host
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = torch.empty(t.shape, dtype=dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         return host
 

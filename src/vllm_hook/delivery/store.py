@@ -79,12 +79,19 @@ class RequestStore:
         """Keep the rows ([points * positions, ...] point-major; `blocked`: already [points,
         positions, ...], a strided view of a decode run's buffer, `delivery.runs`); False
         (nothing kept) when they would take the budget past its limit."""
+        chunks = self._chunks.get(points)
+        if chunks and chunks[0][1].dtype != rows.dtype:
+            # A step's block widened on the device and one that was not (a neighbour in the
+            # model's dtype shared it: `Collector._wide_pools`): one dtype per group, the first
+            # chunk's (bf16 -> float32 -> bf16 is exact).
+            rows = rows.to(chunks[0][1].dtype)
         n = rows.numel() * rows.element_size()
         if self._budget is not None and self._budget.used + n > self._budget.limit:
             return False
         if not blocked:
             rows = rows.reshape(len(points), len(positions), *rows.shape[1:])
-        chunks = self._chunks.setdefault(points, [])
+        if chunks is None:
+            chunks = self._chunks[points] = []
         chunks.append((positions, rows))
         self._count(n)
         self.version += 1
@@ -506,15 +513,18 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
     return parse_batch(buf)[0]
 
 
-def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor] | None = None
-                ) -> list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]]:
+def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor] | None = None,
+                lend_float32: bool = False) -> list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]]:
     """Every request of a payload (`batch_to_wire`, or one `to_bytes`): (points, metadata).
 
     With `dtype` ("float32" or "model"), the rows packed across requests are converted (or
     copied out of read-only bytes) once for the whole payload; each request's rows are then
     views of that fresh block, listed in its metadata's `_fresh` (points): `results.build`
     uses them as they are. Other rows are views of `buf`, as without `dtype`. `lent`: the
-    payload's tensors lent from a worker's arena, already viewed ("{j}/{name}" -> tensor)."""
+    payload's tensors lent from a worker's arena, already viewed ("{j}/{name}" -> tensor).
+    `lend_float32` (a model computing in bf16 or fp16): lent float32 rows, which a worker
+    widened on the device (`Collector._wide_pools`), are used as they are, as the model's
+    dtype is with "model"; a float32 model's are copied, their arena range back at once."""
     export = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
     owned = isinstance(buf, torch.Tensor)
     header, data = _header(export)
@@ -572,7 +582,8 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
         if _group_points(name) is None:
             shared[name] = t.clone()
         elif dtype is not None:
-            if name in lent_shared and (dtype == "model" or name in chunked_fresh.get(-1, ())):
+            if name in lent_shared and (dtype == "model" or name in chunked_fresh.get(-1, ()) or (
+                    lend_float32 and t.dtype == torch.float32)):
                 pass             # lent (writable, the user's) or already joined and converted
             elif dtype == "float32" or not owned:
                 # converted or copied: split over threads when large (`copy_many`)
@@ -652,8 +663,9 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
                 pos = ts.get(name + ".pos")
                 if pos is None:
                     pos = got[name + ".pos"]
-                if name in chunked_fresh.get(j, ()):
-                    fresh.update(group)
+                if name in chunked_fresh.get(j, ()) or (
+                        lend_float32 and t.dtype == torch.float32 and f"{j}/{name}" in lent):
+                    fresh.update(group)  # joined and converted, or lent widened
                 elif dtype == "float32" or (dtype == "model" and not owned and f"{j}/{name}" not in lent):
                     # The request's rows of every point of the group in one copy (the build's
                     # copy per point was 3x slower for a mixed batch's prompts, run 71).

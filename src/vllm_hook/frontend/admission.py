@@ -18,7 +18,13 @@ from ..spec.rescale import rescaled, split, template
 from ..spec.resolve import Resolved, capture_bytes, resolve
 from ..spec.schema import SPEC_KEY, parse_spec
 from .cache import cache_key, call_key
-from .state import allow_pickles, maybe_state, state_of
+from .state import SERVED, allow_pickles, maybe_state, state_of
+
+# A request widened on the device ("W") holds float32 rows on its worker: at most this many
+# bytes. Beyond it (all layers of long prompts) its rows go to the host in the model's dtype
+# and are widened there, as measured for the big capture (run 149 and before).
+WIDEN_MAX_BYTES = 16 << 20
+_NARROW = {"bfloat16": 2, "float16": 2}
 
 
 class Sealed:
@@ -68,7 +74,7 @@ def _hooked(request: Any, sp: Any) -> None:
     sp.skip_reading_prefix_cache = True
 
 
-def _check_capture_bytes(st, res, prompt_len: int, sp: Any) -> None:
+def _check_capture_bytes(st, res, prompt_len: int, sp: Any) -> int:
     """Refuse a request whose captures could exceed max_capture_bytes_per_request (worst case:
     max_tokens generated; per request, since max_tokens is not part of the cached spec)."""
     limit = st.capture_limit()
@@ -85,6 +91,29 @@ def _check_capture_bytes(st, res, prompt_len: int, sp: Any) -> None:
                         f"generated tokens), more than max_capture_bytes_per_request ({limit:,})",
                         "capture fewer layers or tokens, lower max_tokens, or raise additional_config "
                         "vllm_hook.max_capture_bytes_per_request")
+    return worst
+
+
+def _widen_on_device(st, res, worst: int) -> None:
+    """Ask the workers for float32 rows (wire "W": `delivery.collector`'s `_wide_pools`) where
+    the frontend would widen them anyway: an offline float32 request of a model computing in
+    bf16 or fp16 whose rows all come from its prompt (prompt selectors, or one token
+    generated: no decode rows, whose joining converts them anyway), whose float32 rows fit
+    WIDEN_MAX_BYTES and max_capture_bytes_per_request. The device converts in microseconds
+    what took the frontend 56 µs a request of a mixed batch's every-token third (run 149);
+    the copy to the host doubles. Not served: there rows travel in the model's dtype and the
+    client widens them (`Results.widen_to`). Not attention scores (float32 already)."""
+    size = _NARROW.get(st.info.dtype)
+    wide = worst * 4 // size if size else 0
+    if (not size or SERVED["on"] or res.dtype != "float32" or not wide
+            or wide > min(WIDEN_MAX_BYTES, st.capture_limit())):
+        return
+    items, P = res.items, res.prompt_len
+    if any(it["site"] == "attn_scores" for it in items):
+        return
+    if res.wire.get("M") == 1 or all(it["sel"] in ("prompt", "last_prompt") or (
+            it["sel"] == "pos" and max(it["pos"], default=0) < P) for it in items):
+        res.wire["W"] = 1
 
 
 def _bound(st, request: Any, sp: Any, res: Resolved) -> None:
@@ -176,8 +205,9 @@ def _admit(input_processor: Any, request_id: str, request: Any) -> None:
     if stack is not None:
         res = dataclasses.replace(res, stack_layers=tuple(stack))
     if res.items:
-        _check_capture_bytes(st, res, prompt_len, sp)
+        worst = _check_capture_bytes(st, res, prompt_len, sp)
         _bound(st, request, sp, res)
+        _widen_on_device(st, res, worst)
     elif not res.hooks and not st.persistent_hooks and getattr(sp, "n", 1) == 1:
         # Steering only: delivered without a fetch if its workers mark it clean. Not n > 1:
         # its children would share one ticket, and one child's clean mark hide another's error.

@@ -105,9 +105,10 @@ class Opened:
                     self._unread.setdefault(id(p), p["path"])
         return self
 
-    def part(self, entry: dict, dtype: str = "float32") -> tuple:
+    def part(self, entry: dict, dtype: str = "float32", lend_float32: bool = False) -> tuple:
         """(points, metadata, owned) of one request's entry, its rows packed with others'
-        already in `dtype` (`parse_batch`: one conversion per payload and dtype)."""
+        already in `dtype` (`parse_batch`: one conversion per payload and dtype;
+        `lend_float32`: the model's dtype is narrower, see there)."""
         payload = entry["payload"]
         got = self._bufs.get(id(payload))
         if got is None:
@@ -116,7 +117,8 @@ class Opened:
         buf = got[1]
         parts = self._parsed.get((id(payload), dtype))
         if parts is None:
-            parts = self._parsed[(id(payload), dtype)] = parse_batch(buf, dtype, payload.get("views"))
+            parts = self._parsed[(id(payload), dtype)] = parse_batch(buf, dtype, payload.get("views"),
+                                                                     lend_float32)
         points, meta = parts[entry["j"]]
         return points, meta, isinstance(buf, torch.Tensor) or bool(meta.get("_owned"))
 
@@ -201,11 +203,12 @@ def _built(st: FrontendState, output: Any, entries: list[dict], res,
     by_index: dict[int, list] = {}
     lost: dict[int, list[str]] = {}
     opened = opened or (Opened() if entries else None)
+    narrow = st.info.dtype != "float32"
     t0 = time.perf_counter()
     for e in entries:
         i = child_index(e["req_id"], n)
         try:
-            by_index.setdefault(i, []).append(opened.part(e, dtype))
+            by_index.setdefault(i, []).append(opened.part(e, dtype, narrow))
         except OSError as err:          # the spilled file vanished (e.g. deleted by hand)
             lost.setdefault(i, []).append(f"the captured results could not be read: {err}")
     t1 = time.perf_counter()

@@ -84,6 +84,7 @@ class HookRequest:
     hook_results: tuple[list, Any] | None = None                        # (saved trees, event)
     steer_share: str | None = None          # its steering rows are those of this shared entry
     capture_dropped: bool = False           # its rows passed the worker's in-flight budget
+    widen: bool = False                     # its rows go to the host in float32 (wire "W")
 
 
 @dataclass(eq=False)
@@ -95,6 +96,10 @@ class SharedSteering:
     op_rows: list[int]
     refs: int = 1
     groups: tuple | None = None          # routing.group_steering(routes), made once
+
+
+def _widens(req: HookRequest) -> bool:
+    return req.widen
 
 
 def _note(errors: list[str], msg: str) -> None:
@@ -197,7 +202,8 @@ class HookRuntime:
         self.attn_layers = attn_layers or []
         self.tables = DeviceTables(bufs)
         self.staging = _Staging(bufs)
-        self.collector = Collector(bufs.pools, self._deliver, arena_bytes=cfg.arena_bytes())
+        self.collector = Collector(bufs.pools, self._deliver, arena_bytes=cfg.arena_bytes(),
+                                   widens=_widens)
         self.budget = Budget(cfg.capture_limits()[1])     # unfetched captures, all requests
         self.requests: dict[str, HookRequest] = {}     # admitted, not yet finished
         self.active: dict[str, HookRequest] = {}       # may still be routed
@@ -325,7 +331,8 @@ class HookRuntime:
     def _admit(self, req_id: str, wire: dict) -> None:
         P = int(wire["P"])
         req = HookRequest(req_id=req_id, key=str(wire["key"]), prompt_len=P,
-                          routes=RequestRoutes(P), horizon=-1, store=RequestStore(self.budget))
+                          routes=RequestRoutes(P), horizon=-1, store=RequestStore(self.budget),
+                          widen=wire.get("W") == 1)
         self.requests[req_id] = req
         if self.off:
             req.errors.append(self._off_message())
@@ -984,6 +991,7 @@ class HookRuntime:
             "ops_in_use": self.tables.ops_in_use,
             "named_vectors": len(self.named),
             "copies_in_flight": self.collector.in_flight,
+            "blocks_widened": self.collector.widened,      # captured blocks sent in float32
             "device_buffer_bytes": self.bufs.nbytes(),
             "steps_routed": self.steps_routed,
             "hooked": len(self.hooked),

@@ -46,6 +46,8 @@ def check_wire(wire: dict, num_layers: int, hidden: int, points: PointTable, ste
     _int(wire.get("P"), 1, MAX_POSITION, "prompt length")
     if "M" in wire:
         _int(wire["M"], 1, MAX_POSITION, "max_tokens")
+    if "W" in wire:
+        _int(wire["W"], 0, 2, "the float32 flag")
     for i, c in enumerate(wire.get("cap", ()) if caps else ()):
         what = f"capture {i}"
         L = _int(c.get("layer"), 0, num_layers, f"{what} layer")
