@@ -1047,14 +1047,16 @@ def test_a_dropped_store_returns_its_bytes_to_the_budget():
 def test_a_step_goes_to_the_host_in_float32_when_every_owner_in_its_block_takes_it_so():
     """`Collector._wide_pools`: a block whose every segment's owner takes float32 rows (wire
     "W") reaches the host widened (the device's conversion: the same values as the host's);
-    one shared with an owner in the model's dtype stays in it. A store keeps one dtype per
-    group, its first chunk's (bf16 -> float32 -> bf16 is exact), and the payload's parse lends
-    float32 rows as they are (fresh, no copy) where it would otherwise have widened them."""
+    one shared with an owner in the model's dtype stays in it. A store keeps chunks of both
+    dtypes as they came and joins them in its first chunk's (bf16 -> float32 -> bf16 is exact)
+    only when fetched (rows handed over early are read once their copies are done), and the
+    payload's parse lends float32 rows as they are (fresh, no copy) in a bf16 or fp16 model."""
     import gc
     from types import SimpleNamespace
 
     from vllm_hook.delivery import arena as A
     from vllm_hook.delivery.collector import Collector
+    from vllm_hook.delivery.store import NotLent
     from vllm_hook.routing import Segment, StepRouting
 
     pool = torch.randn(4096, 64).bfloat16()
@@ -1080,10 +1082,12 @@ def test_a_step_goes_to_the_host_in_float32_when_every_owner_in_its_block_takes_
     s = RequestStore()
     s.add((0, 1), np.arange(2), pool[:4].float(), False)
     s.add((0, 1), np.arange(2, 3), pool[4:6], False)           # a later block not widened
+    assert s.nbytes == 4 * 64 * 4 + 2 * 64 * 2                  # kept as they came: not read yet
+    with pytest.raises(NotLent):                                # a reply made ahead would read them
+        s.blocks(chunked=True, views_only=True)
     (_, pos, blocks), = s.blocks()
     assert blocks.dtype == torch.float32 and pos.tolist() == [0, 1, 2]
     assert torch.equal(blocks.reshape(-1, 64), torch.cat([pool[0:2], pool[4:5], pool[2:4], pool[5:6]]).float())
-    assert s.nbytes == 6 * 64 * 4
 
     a = A.Arena(1 << 20, torch.device("cpu"))
     front = A.FrontendArenas()
@@ -1100,3 +1104,54 @@ def test_a_step_goes_to_the_host_in_float32_when_every_owner_in_its_block_takes_
     del pts, meta, lent, wire
     gc.collect()
     assert a.stats()["arena_used_bytes"] == 0
+
+
+def test_rows_handed_over_early_are_joined_across_dtypes_only_once_copied(monkeypatch):
+    """A prompt split over two steps, its first block widened and its last shared with a
+    request in the model's dtype: its last rows are handed to its store before their copy
+    completes (`Collector.hand_over_early`). The join of its two dtypes reads them only at the
+    fetch, after the copies (`settle`): no row read before it was written."""
+    from vllm_hook.delivery import collector as C
+    from vllm_hook.routing import Segment, StepRouting
+
+    queued = []
+
+    class Event:                  # a device's copy: the host sees NaN until it completes
+        def record(self):
+            self.copies, queued[:] = list(queued), []
+
+        def query(self):
+            return False
+
+        def synchronize(self):
+            for host, src in self.copies:
+                host.copy_(src)
+
+    def to_host(self, t, arena=None, dtype=None):
+        host = arena.alloc(t.shape, dtype or t.dtype)
+        queued.append((host, t.to(dtype or t.dtype)))
+        return host.fill_(float("nan"))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(C.Collector, "_to_host", to_host)
+    pool = torch.randn(1200, 64).bfloat16()
+    class Owner:                  # hashable, as the worker's requests are
+        def __init__(self, widen):
+            self.widen, self.store = widen, RequestStore()
+
+    a, b = Owner(True), Owner(False)
+    c = C.Collector([pool], lambda seg, rows, blocked=False: seg.owner.store.add(
+        seg.points, seg.positions, rows, seg.last_only, blocked), arena_bytes=1 << 20, widens=lambda o: o.widen)
+    c.on_device = True
+    want = pool[:600].float()
+    c.after_forward(StepRouting(segments=[Segment(a, (0,), 0, np.arange(300), False)], pool_used={0: 300}))
+    c.drain(wait=True)
+    pool[:600] = pool[600:]
+    want = torch.cat([want[:300], pool[:300].float()])
+    c.after_forward(StepRouting(segments=[Segment(a, (0,), 0, np.arange(300, 600), False),
+                                          Segment(b, (0,), 300, np.arange(300), False)], pool_used={0: 600}))
+    assert c.hand_over_early({a})
+    c.settle({a})
+    (_, pos, rows), = a.store.blocks()
+    assert rows.dtype == torch.float32 and pos.tolist() == list(range(600))
+    assert torch.equal(rows[0], want)

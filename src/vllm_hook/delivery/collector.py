@@ -34,6 +34,7 @@ from .hostmem import copy_many, host_empty
 from .runs import DecodeRun
 
 Deliver = Callable[..., None]         # (segment, rows, blocked=False): `RequestStore.add`
+WIDEN_SLICE_BYTES = 32 << 20   # the device's float32 temporary of a block widened (`_to_host`)
 KEEP_PINNED_MIN = 4 << 20       # a step's pinned block this large is kept, not copied out
 # At most this much kept at a time: a 16th of the host's memory, from 1 to 4 GiB (all layers
 # and tokens of 32 x 512-token prompts of a 1.5B model are 1.4 GB in bf16; copying them out
@@ -124,22 +125,22 @@ class Collector:
         dtype = dtype or t.dtype
         self.bytes_copied += t.numel() * dtype.itemsize
         host = arena.alloc(t.shape, dtype) if arena is not None else None
-        if self.on_device and dtype != t.dtype:
-            # Converted on the device: a copy to the host cannot convert (a temporary of the
-            # caching allocator, reused only after the copy, by the stream's order).
-            t = t.to(dtype)
-        if host is not None:
-            if self.on_device:
-                host.copy_(t, non_blocking=True)     # page-locked: asynchronous
-            else:
-                copy_many([(host, t)])
-            return host
-        if not self.on_device:
+        if host is None and not self.on_device:
             host = host_empty(t.shape, dtype)
+        if not self.on_device:
             copy_many([(host, t)])
             return host
-        host = torch.empty(t.shape, dtype=dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
+        if host is None:
+            host = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+        if dtype == t.dtype:
+            host.copy_(t, non_blocking=True)         # page-locked: asynchronous
+            return host
+        # Converted on the device (a copy to the host cannot convert), a slice at a time: a
+        # temporary of the caching allocator, reused for the next slice only after its copy,
+        # by the stream's order, and at most WIDEN_SLICE_BYTES outside vLLM's memory profile.
+        step = max(1, WIDEN_SLICE_BYTES // max(1, t[0].numel() * dtype.itemsize))
+        for i in range(0, t.shape[0], step):
+            host[i:i + step].copy_(t[i:i + step].to(dtype), non_blocking=True)
         return host
 
     def drain(self, wait: bool = False) -> None:

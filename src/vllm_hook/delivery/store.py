@@ -79,19 +79,12 @@ class RequestStore:
         """Keep the rows ([points * positions, ...] point-major; `blocked`: already [points,
         positions, ...], a strided view of a decode run's buffer, `delivery.runs`); False
         (nothing kept) when they would take the budget past its limit."""
-        chunks = self._chunks.get(points)
-        if chunks and chunks[0][1].dtype != rows.dtype:
-            # A step's block widened on the device and one that was not (a neighbour in the
-            # model's dtype shared it: `Collector._wide_pools`): one dtype per group, the first
-            # chunk's (bf16 -> float32 -> bf16 is exact).
-            rows = rows.to(chunks[0][1].dtype)
         n = rows.numel() * rows.element_size()
         if self._budget is not None and self._budget.used + n > self._budget.limit:
             return False
         if not blocked:
             rows = rows.reshape(len(points), len(positions), *rows.shape[1:])
-        if chunks is None:
-            chunks = self._chunks[points] = []
+        chunks = self._chunks.setdefault(points, [])
         chunks.append((positions, rows))
         self._count(n)
         self.version += 1
@@ -112,6 +105,14 @@ class RequestStore:
         out = []
         for points, chunks in self._chunks.items():
             parts = [c[1] for c in chunks]           # each [G, its positions, ...]
+            if len(parts) > 1 and any(p.dtype != parts[0].dtype for p in parts):
+                # A step's block widened on the device and one that was not (a neighbour in
+                # the model's dtype shared it: `Collector._wide_pools`): joined in the first
+                # chunk's dtype (bf16 -> float32 -> bf16 is exact). Read here, not when added:
+                # rows handed over early are read only once their copies are done.
+                if views_only:
+                    raise NotLent("chunks of two dtypes")
+                parts = [p.to(parts[0].dtype) for p in parts]
             pos = np.concatenate([c[0] for c in chunks]) if len(chunks) > 1 else chunks[0][0]
             # [G, rows of all chunks, ...]: each chunk is G blocks of its own row count
             blocks = Chunked(parts) if len(parts) > 1 else parts[0]

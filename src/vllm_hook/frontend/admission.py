@@ -112,7 +112,7 @@ def _widen_on_device(st, res, worst: int) -> None:
     if any(it["site"] == "attn_scores" for it in items):
         return
     if res.wire.get("M") == 1 or all(it["sel"] in ("prompt", "last_prompt") or (
-            it["sel"] == "pos" and max(it["pos"], default=0) < P) for it in items):
+            it["sel"] == "pos" and it["pos"][-1] < P) for it in items):
         res.wire["W"] = 1
 
 
