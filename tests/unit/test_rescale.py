@@ -374,10 +374,8 @@ def test_an_offline_float32_capture_of_prompt_rows_is_widened_on_the_device(monk
     assert wire({"capture": [{"layers": [1], "tokens": [0, 10]}]}) is None   # a generated one
     assert wire(every, max_tokens=1) == 1 and wire(every, max_tokens=2) is None and wire(every) is None
     assert wire({**every, "dtype": "model"}, max_tokens=1) is None
-    scores = SimpleNamespace(dtype="float32", prompt_len=10, wire={"M": 1},
-                             items=[{"site": "attn_scores", "layer": 1, "sel": "last_prompt", "pos": []}])
-    admission._widen_on_device(ip.__dict__[STATE_ATTR], scores, 64)
-    assert "W" not in scores.wire
+    from vllm_hook.spec.resolve import _widen_when
+    assert _widen_when([{"site": "attn_scores", "layer": 1, "sel": "last_prompt", "pos": []}], 10) == 0
     monkeypatch.setattr(admission, "WIDEN_MAX_BYTES", 2 * 10 * H * 4 - 1)   # 2 layers, 10 rows
     assert wire(every, max_tokens=1) is None
     monkeypatch.undo()

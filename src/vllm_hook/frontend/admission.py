@@ -105,14 +105,10 @@ def _widen_on_device(st, res, worst: int) -> None:
     client widens them (`Results.widen_to`). Not attention scores (float32 already)."""
     size = _NARROW.get(st.info.dtype)
     wide = worst * 4 // size if size else 0
-    if (not size or SERVED["on"] or res.dtype != "float32" or not wide
+    if (not res.widen_when or not size or SERVED["on"] or res.dtype != "float32" or not wide
             or wide > min(WIDEN_MAX_BYTES, st.capture_limit())):
         return
-    items, P = res.items, res.prompt_len
-    if any(it["site"] == "attn_scores" for it in items):
-        return
-    if res.wire.get("M") == 1 or all(it["sel"] in ("prompt", "last_prompt") or (
-            it["sel"] == "pos" and it["pos"][-1] < P) for it in items):
+    if res.widen_when == 2 or (res.widen_when == 1 and res.wire.get("M") == 1):
         res.wire["W"] = 1
 
 

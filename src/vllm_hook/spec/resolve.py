@@ -148,6 +148,11 @@ class Resolved:
     worst_bytes: dict = field(default_factory=dict, repr=False, compare=False)
 
     held: bool = False             # fetched while it decodes (`FetchBatcher.hold`)
+    # When its rows may be widened on the device (`frontend.admission._widen_on_device`): 2
+    # always (its captures pick prompt rows only), 1 when it generates one token, 0 never
+    # (none, or attention scores: float32 already). Its positions are absolute: a copy for
+    # another prompt length is of a spec without any (`frontend.cache`).
+    widen_when: int = 0
 
     @property
     def fetches(self) -> bool:
@@ -410,7 +415,16 @@ def resolve(
     return Resolved(wire=wire, key=key, prompt_len=prompt_len,
                     save_dir=spec.save.dir if spec.save else None, steer_digest=steer_digest,
                     reads_cached_prefix=reads_cached, items=items, dtype=spec.dtype,
-                    hooks=len(wire_hooks), steer_norms=tuple(norms), prefix_from=prefix_from)
+                    hooks=len(wire_hooks), steer_norms=tuple(norms), prefix_from=prefix_from,
+                    widen_when=_widen_when(items, prompt_len))
+
+
+def _widen_when(items: list[dict], prompt_len: int) -> int:
+    """`Resolved.widen_when` of captures `items`."""
+    if not items or any(it["site"] == "attn_scores" for it in items):
+        return 0
+    return 2 if all(it["sel"] in ("prompt", "last_prompt") or (it["sel"] == "pos" and it["pos"][-1] < prompt_len)
+                    for it in items) else 1
 
 
 def shape_bytes(cols: dict[str, list]) -> bytes:
