@@ -5,8 +5,8 @@ host memory, with one event; nothing waits for them. Completed copies are handed
 stores at the start of a later step or when results are fetched. The next forward may
 overwrite the pools only after the copies, by stream order. On the CPU the pools already are
 host memory: copy now. Besides pool rows, a step may deliver tensors computed after the
-forward (attention weights): `extras`. A block whose every request takes its rows in float32
-from its prompt alone (offline, wire "W") is converted on the device before its copy.
+forward (attention weights): `extras`. A pool's block whose every capture takes its rows in
+float32 from its prompt alone (offline, wire "W") is converted on the device before its copy.
 
 A step of 64 KiB and more (a prompt's rows) is copied into the worker's shared arena
 (`arena`) when it has room: its rows stay there, and a fetch lends them to the frontend. Else
@@ -104,9 +104,9 @@ class Collector:
     def _wide_pools(self, blocks: dict[int, torch.Tensor], segments: list[Segment]) -> set[int]:
         """The pools whose block this step goes to the host in float32: every segment in it is
         of an owner that takes its rows so (`widens`: an offline float32 request whose rows all
-        come from its prompt). Widened on the device, where it costs microseconds, instead of by
-        the frontend on the host, where a mixed batch's every-token third took 63 µs a hooked
-        request against 7 in the model's dtype (run 149); the copy to the host doubles."""
+        come from its prompt). Widened on the device instead of by the frontend on the host,
+        where the mixed prefill-only batch's read took 63 µs a hooked request against 7 in the
+        model's dtype (run 149); the copy to the host doubles."""
         wide = {pid for pid, b in blocks.items() if b.dtype != torch.float32}
         for seg in segments:
             if seg.pool in wide and not self.widens(seg.owner):
