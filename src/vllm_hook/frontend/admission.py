@@ -101,8 +101,9 @@ def _widen_on_device(st, res, worst: int) -> None:
     generated: no decode rows, whose joining converts them anyway), whose float32 rows fit
     WIDEN_MAX_BYTES and max_capture_bytes_per_request. The device converts (its time not yet
     measured) what cost the frontend's read 56 µs a hooked request of the mixed prefill-only
-    batch (run 149); the copy to the host doubles. Not served: there rows travel in the model's dtype and the
-    client widens them (`Results.widen_to`). Not attention scores (float32 already)."""
+    batch (run 149); the copy to the host doubles. Not served: there rows travel in the
+    model's dtype and the client widens them (`Results.widen_to`). Not attention scores
+    (float32 already)."""
     size = _NARROW.get(st.info.dtype)
     wide = worst * 4 // size if size else 0
     if (not res.widen_when or not size or SERVED["on"] or res.dtype != "float32" or not wide
