@@ -19,7 +19,12 @@ STEER = {"steer": [{"op": "add", "layer": 1, "vector": [0.01] * 128, "scale": 1.
 
 
 @pytest.fixture
-def llm(engines):
+def llm(engines, monkeypatch):
+    # An offline process: earlier tests of this one may have attached the HTTP routes to an
+    # app (`server.routes.attach`), which marks the process as serving (no widening there).
+    from vllm_hook.frontend.state import SERVED
+
+    monkeypatch.setitem(SERVED, "on", False)
     return engines.get("qwen2-bf16-eager", arch="qwen2", dtype="bfloat16", enforce_eager=True)
 
 
