@@ -67,6 +67,19 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
     assert all(c["bytes"] > 0 and c["extract_tok_s"] > 0 for c in xs["cases"])
 
 
+def test_widen_check_smoke(tmp_path, engines):
+    """benchmarks/widen_check.py (issue 17) on the tiny model in bf16: rows widened on the
+    device equal the model dtype's widened; a batch sharing its blocks widens none."""
+    engines.close()
+    out = tmp_path / "widen"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "widen_check.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads((out / "check.json").read_text())
+    assert got["all_float32"]["blocks_widened"] > 0 and all(got["all_float32"]["equal"])
+    assert got["mixed_with_model_dtype"]["blocks_widened"] == 0 and all(got["mixed_with_model_dtype"]["equal"])
+
+
 def test_served_throughput_benchmark_smoke(tmp_path, engines):
     """benchmarks/throughput_served.py (issue 17): a native and a plugin `vllm serve`, each rep
     native, plugin, native, plugin."""
