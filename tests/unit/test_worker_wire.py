@@ -76,3 +76,11 @@ def test_a_max_tokens_that_is_not_a_positive_integer_is_refused(m):
     check_wire({"P": 8, "M": 5}, L, H, POINTS)
     with pytest.raises(ValueError, match="max_tokens"):
         check_wire({"P": 8, "M": m}, L, H, POINTS)
+
+
+@pytest.mark.parametrize("w", [2, -1, "1", True, 1.0, None])
+def test_a_float32_flag_that_is_not_0_or_1_is_refused(w):
+    """The wire's "W" (rows widened on the device, `frontend.admission._widen_on_device`)."""
+    check_wire({"P": 8, "W": 1}, L, H, POINTS)
+    with pytest.raises(ValueError, match="float32 flag"):
+        check_wire({"P": 8, "W": w}, L, H, POINTS)
