@@ -24,7 +24,6 @@ from .state import SERVED, allow_pickles, maybe_state, state_of
 # bytes. Beyond it (all layers of long prompts) its rows go to the host in the model's dtype
 # and are widened there, as measured for the big capture (run 149 and before).
 WIDEN_MAX_BYTES = 16 << 20
-_NARROW = {"bfloat16": 2, "float16": 2}
 
 
 class Sealed:
@@ -104,10 +103,9 @@ def _widen_on_device(st, res, worst: int) -> None:
     batch (run 149); the copy to the host doubles. Not served: there rows travel in the
     model's dtype and the client widens them (`Results.widen_to`). Not attention scores
     (float32 already)."""
-    size = _NARROW.get(st.info.dtype)
-    wide = worst * 4 // size if size else 0
-    if (not res.widen_when or not size or SERVED["on"] or res.dtype != "float32" or not wide
-            or wide > min(WIDEN_MAX_BYTES, st.capture_limit())):
+    wide = 2 * worst             # float32 rows of a 2-byte dtype
+    if (not res.widen_when or st.info.dtype not in ("bfloat16", "float16") or SERVED["on"]
+            or res.dtype != "float32" or not wide or wide > min(WIDEN_MAX_BYTES, st.capture_limit())):
         return
     if res.widen_when == 2 or (res.widen_when == 1 and res.wire.get("M") == 1):
         res.wire["W"] = 1
