@@ -80,6 +80,17 @@ def test_widen_check_smoke(tmp_path, engines):
     assert got["mixed_with_model_dtype"]["blocks_widened"] == 0 and all(got["mixed_with_model_dtype"]["equal"])
 
 
+def test_uva_probe_smoke(tmp_path):
+    """benchmarks/uva_probe.py (issue 17) on the CPU: rows scattered into per-request regions
+    equal the rows they came from, in bf16 and widened to float32."""
+    out = tmp_path / "uva"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "uva_probe.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads((out / "uva.json").read_text())
+    assert all(got["regions_equal"].values()) and got["host_join_float32_us_per_request"] > 0
+
+
 def test_served_throughput_benchmark_smoke(tmp_path, engines):
     """benchmarks/throughput_served.py (issue 17): a native and a plugin `vllm serve`, each rep
     native, plugin, native, plugin."""
