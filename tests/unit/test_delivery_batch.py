@@ -1106,6 +1106,39 @@ def test_a_step_goes_to_the_host_in_float32_when_every_owner_in_its_block_takes_
     assert a.stats()["arena_used_bytes"] == 0
 
 
+def test_a_large_block_to_widen_goes_in_the_model_dtype_where_the_arena_has_no_room(monkeypatch):
+    """`Collector._to_host`: a block to widen is widened where the arena takes it in float32,
+    or where it is small (WIDEN_OUTSIDE_ARENA_BYTES); a larger one the arena has no room for
+    goes in the model's dtype (its frontend widens it), in the arena if it fits so."""
+    from types import SimpleNamespace
+
+    from vllm_hook.delivery import collector as C
+    from vllm_hook.routing import Segment, StepRouting
+
+    monkeypatch.setattr(C, "WIDEN_OUTSIDE_ARENA_BYTES", 100 * 64 * 4)
+    pool = torch.randn(4096, 64).bfloat16()
+    wide = SimpleNamespace()
+    got = []
+    c = C.Collector([pool], lambda seg, rows: got.append(rows), arena_bytes=1 << 20, widens=lambda owner: True)
+
+    def step(n):
+        got.clear()
+        seg = Segment(owner=wide, points=(0,), pool_start=0, positions=np.arange(n), last_only=False)
+        c.after_forward(StepRouting(segments=[seg], pool_used={0: n}))
+        rows, = got
+        assert torch.equal(rows.float(), pool[:n].float())
+        return rows
+
+    held = [step(1024)]                     # 256 KiB in float32: the arena has room
+    assert held[0].dtype == torch.float32 and c.arena.holds(held[0]) and c.widened == 1
+    while (t := c.arena.alloc((1024, 64), torch.float32)) is not None:    # the arena filled up
+        held.append(t)
+    big = step(1024)                        # no room in float32: above the cap outside it
+    assert big.dtype == torch.bfloat16 and c.widened == 1
+    small = step(100)                       # at the cap: widened outside the arena
+    assert small.dtype == torch.float32 and not c.arena.holds(small) and c.widened == 2
+
+
 def test_rows_handed_over_early_are_joined_across_dtypes_only_once_copied(monkeypatch):
     """A prompt split over two steps, its first block widened and its last shared with a
     request in the model's dtype: its last rows are handed to its store before their copy

@@ -356,11 +356,12 @@ def test_a_capturing_requests_max_tokens_rides_its_own_wire():
 def test_an_offline_float32_capture_of_prompt_rows_is_widened_on_the_device(monkeypatch):
     """Wire "W" (`admission._widen_on_device`): workers send float32 rows where the frontend
     would widen them anyway and only prompt rows are captured; never served, in the model's
-    dtype, for attention scores, for rows of generated tokens or past WIDEN_MAX_BYTES."""
-    from vllm_hook.frontend import admission
+    dtype, for attention scores, for rows of generated tokens or where its float32 rows would
+    pass max_capture_bytes_per_request (a large one is not refused for that: sent in the model's
+    dtype)."""
     from vllm_hook.frontend.state import SERVED
 
-    ip, _ = _frontend()
+    ip, st = _frontend()
 
     def wire(spec, max_tokens=None):
         r = _request(spec)
@@ -376,8 +377,10 @@ def test_an_offline_float32_capture_of_prompt_rows_is_widened_on_the_device(monk
     assert wire({**every, "dtype": "model"}, max_tokens=1) is None
     from vllm_hook.spec.resolve import _widen_when
     assert _widen_when([{"site": "attn_scores", "layer": 1, "sel": "last_prompt", "pos": []}], 10) == 0
-    monkeypatch.setattr(admission, "WIDEN_MAX_BYTES", 2 * 10 * H * 4 - 1)   # 2 layers, 10 rows
+    monkeypatch.setitem(st.__dict__, "_capture_limit", 2 * 10 * H * 4 - 1)   # 2 layers, 10 rows
     assert wire(every, max_tokens=1) is None
+    monkeypatch.setitem(st.__dict__, "_capture_limit", 1 << 40)       # no cap of its own beyond it
+    assert wire({"capture": [{"layers": "all", "tokens": "all"}]}, max_tokens=1) == 1
     monkeypatch.undo()
     monkeypatch.setitem(SERVED, "on", True)
     assert wire(every, max_tokens=1) is None

@@ -6,7 +6,8 @@ stores at the start of a later step or when results are fetched. The next forwar
 overwrite the pools only after the copies, by stream order. On the CPU the pools already are
 host memory: copy now. Besides pool rows, a step may deliver tensors computed after the
 forward (attention weights): `extras`. A pool's block whose every capture takes its rows in
-float32 from its prompt alone (offline, wire "W") is converted on the device before its copy.
+float32 from its prompt alone (offline, wire "W") is converted on the device before its copy
+(where the arena has room for it, or it is small).
 
 A step of 64 KiB and more (a prompt's rows) is copied into the worker's shared arena
 (`arena`) when it has room: its rows stay there, and a fetch lends them to the frontend. Else
@@ -35,6 +36,11 @@ from .runs import DecodeRun
 
 Deliver = Callable[..., None]         # (segment, rows, blocked=False): `RequestStore.add`
 WIDEN_SLICE_BYTES = 32 << 20   # the device's float32 temporary of a block widened (`_to_host`)
+# A block to widen that the arena has no room for (none, or full) is widened only up to this
+# size; a larger one goes in the model's dtype and its frontend widens it, as before "W":
+# float32 rows of all layers (2.8 GB for 32 x 512-token prompts) in pinned memory would take
+# twice the page-locked RAM, and once past KEEP_PINNED_BYTES be copied out into fresh memory.
+WIDEN_OUTSIDE_ARENA_BYTES = 64 << 20
 KEEP_PINNED_MIN = 4 << 20       # a step's pinned block this large is kept, not copied out
 # At most this much kept at a time: a 16th of the host's memory, from 1 to 4 GiB (all layers
 # and tokens of 32 x 512-token prompts of a 1.5B model are 1.4 GB in bf16; copying them out
@@ -91,7 +97,7 @@ class Collector:
                                     for pid, b in blocks.items()))
         for pid, block in blocks.items():
             hosts[pid] = self._to_host(block, arena, torch.float32 if pid in wide else None)
-        self.widened += len(wide)
+        self.widened += sum(hosts[pid].dtype != blocks[pid].dtype for pid in wide)
         extra_hosts = [(seg, self._to_host(t)) for seg, t in extras]
         if not self.on_device:
             self.drain()        # a closed run first: its steps came before this one
@@ -121,10 +127,14 @@ class Collector:
 
     def _to_host(self, t: torch.Tensor, arena: Arena | None = None, dtype: torch.dtype | None = None
                  ) -> torch.Tensor:
-        """`t` in host memory (`dtype`: converted to it on the way)."""
+        """`t` in host memory (`dtype`: converted to it on the way where the arena takes it or
+        it is small, WIDEN_OUTSIDE_ARENA_BYTES; else in its own dtype)."""
         dtype = dtype or t.dtype
-        self.bytes_copied += t.numel() * dtype.itemsize
         host = arena.alloc(t.shape, dtype) if arena is not None else None
+        if host is None and dtype != t.dtype and t.numel() * dtype.itemsize > WIDEN_OUTSIDE_ARENA_BYTES:
+            dtype = t.dtype
+            host = arena.alloc(t.shape, dtype) if arena is not None else None
+        self.bytes_copied += t.numel() * dtype.itemsize
         if host is None and not self.on_device:
             host = host_empty(t.shape, dtype)
         if not self.on_device:

@@ -20,12 +20,6 @@ from ..spec.schema import SPEC_KEY, parse_spec
 from .cache import cache_key, call_key
 from .state import SERVED, allow_pickles, maybe_state, state_of
 
-# A request widened on the device ("W") holds float32 rows on its worker: at most this many
-# bytes. Beyond it (all layers of long prompts) its rows go to the host in the model's dtype
-# and are widened there, as measured for the big capture (run 149 and before).
-WIDEN_MAX_BYTES = 16 << 20
-
-
 class Sealed:
     """A raw spec riding through vLLM's copy of the request's SamplingParams untouched."""
 
@@ -98,14 +92,16 @@ def _widen_on_device(st, res, worst: int) -> None:
     the frontend would widen them anyway: an offline float32 request of a model computing in
     bf16 or fp16 whose rows all come from its prompt (prompt selectors, or one token
     generated: no decode rows, whose joining converts them anyway), whose float32 rows fit
-    WIDEN_MAX_BYTES and max_capture_bytes_per_request. The device converts (its time not yet
-    measured) what cost the frontend's read 56 µs a hooked request of the mixed prefill-only
-    batch (run 149); the copy to the host doubles. Not served: there rows travel in the
-    model's dtype and the client widens them (`Results.widen_to`). Not attention scores
-    (float32 already)."""
+    max_capture_bytes_per_request. The device converts (its time not yet measured) what cost
+    the frontend's read 56 µs a hooked request of the mixed prefill-only batch (run 149), and
+    the big capture's 1.4 GB in bf16 made 2.8 GB of fresh float32 memory there (2.97x a plain
+    batch, run 51); the copy to the host doubles. A block the worker's arena has no room for
+    goes in the model's dtype where large (`delivery.collector`), widened here as before. Not
+    served: there rows travel in the model's dtype and the client widens them
+    (`Results.widen_to`). Not attention scores (float32 already)."""
     wide = 2 * worst             # float32 rows of a 2-byte dtype
     if (not res.widen_when or st.info.dtype not in ("bfloat16", "float16") or SERVED["on"]
-            or res.dtype != "float32" or not wide or wide > min(WIDEN_MAX_BYTES, st.capture_limit())):
+            or res.dtype != "float32" or not wide or wide > st.capture_limit()):
         return
     if res.widen_when == 2 or (res.widen_when == 1 and res.wire.get("M") == 1):
         res.wire["W"] = 1
