@@ -3,24 +3,26 @@
     source scripts/gpu_env.sh && python3 benchmarks/uva_probe.py --out $OUT/uva
 
 A probe for a delivery design, not the plugin's code (issue 17: the mixed batch at 256 x 128 +
-128 spends about 85 µs a hooked request in the frontend joining each every-token capture's
-prompt rows and decode rows into one tensor, a host copy at memory bandwidth). Today a step's
-rows go by one contiguous device-to-host copy into a pinned block ([rows, width]) and are
-joined per request on the host at the end. The alternative: the host block is page-locked
-(as the worker's arena is, `cudaHostRegister`), so under unified addressing a kernel can
-scatter each step's rows over the bus straight into each request's region [points, tokens,
-width], widened to float32 on the way if asked; the frontend would then view that region in
-place, with no join.
+128 spends about 85 µs a hooked request (run 149) in the frontend joining each every-token
+capture's prompt rows and decode rows into one tensor, a host copy at memory bandwidth). Today
+a step's rows go by one contiguous device-to-host copy into a page-locked block ([rows,
+width]: the arena, or pinned memory) and are joined per request on the host at the end. The
+alternative: the host block is page-locked (as the worker's arena is, `cudaHostRegister`), so
+under unified addressing a kernel can scatter each step's rows over the bus straight into
+each request's region [points, tokens, width], widened to float32 on the way if asked; the
+frontend would then view that region in place, with no join.
 
 Times, on the device (CUDA events, median of `--reps`), for the mixed batch's every-token third
-(85 requests, 4 points, 1,536 wide, bf16, 128 prompt + 128 decode rows each):
+(85 requests, 4 points, 1,536 wide, bf16, 128 prompt + 128 decode rows each; a request of 128
+generated tokens forwards 127):
 - the prompt step: one contiguous copy to pinned memory, against a scatter into the regions
   (bf16 and widened to float32);
 - a decode step, likewise (85 x 4 rows);
 - on the host: the join of prompt and decode rows per request that the scatter would remove
   (torch's threads), bf16 -> float32 as the frontend does it.
 Checks that the scattered regions equal the rows they came from. Writes uva.json.
-`--smoke`: the same on the CPU (the "device" is host memory), for CI.
+`--smoke`: the same on the CPU (the "device" is host memory) with small shapes (6 requests, 64
+wide), for CI. Exits 1 if a region differs from its rows.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class _Host:
         class _Iface:     # torch.as_tensor reads __cuda_array_interface__
             __cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (self.dev_ptr, False),
                                         "version": 3}
+            host = self   # the mapping lives as long as the tensor made from this object
         return torch.as_tensor(_Iface(), device="cuda").view(dtype)
 
 

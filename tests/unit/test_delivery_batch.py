@@ -1109,17 +1109,21 @@ def test_a_step_goes_to_the_host_in_float32_when_every_owner_in_its_block_takes_
 def test_a_large_block_to_widen_goes_in_the_model_dtype_where_the_arena_has_no_room(monkeypatch):
     """`Collector._to_host`: a block to widen is widened where the arena takes it in float32,
     or where it is small (WIDEN_OUTSIDE_ARENA_BYTES); a larger one the arena has no room for
-    goes in the model's dtype (its frontend widens it), in the arena if it fits so."""
+    goes in the model's dtype (its frontend widens it), in the arena if it fits so. Never where
+    float32 rows would pass the in-flight budget (`room`)."""
     from types import SimpleNamespace
 
     from vllm_hook.delivery import collector as C
+    from vllm_hook.delivery.arena import MIN_BLOCK_BYTES
     from vllm_hook.routing import Segment, StepRouting
 
-    monkeypatch.setattr(C, "WIDEN_OUTSIDE_ARENA_BYTES", 100 * 64 * 4)
+    monkeypatch.setattr(C, "WIDEN_OUTSIDE_ARENA_BYTES", 300 * 64 * 4)
+    assert 300 * 64 * 4 >= MIN_BLOCK_BYTES                 # the arena is offered to every step below
     pool = torch.randn(4096, 64).bfloat16()
     wide = SimpleNamespace()
-    got = []
-    c = C.Collector([pool], lambda seg, rows: got.append(rows), arena_bytes=1 << 20, widens=lambda owner: True)
+    got, budget = [], {"room": True}
+    c = C.Collector([pool], lambda seg, rows: got.append(rows), arena_bytes=1 << 20, widens=lambda owner: True,
+                    room=lambda n: budget["room"])
 
     def step(n):
         got.clear()
@@ -1131,11 +1135,18 @@ def test_a_large_block_to_widen_goes_in_the_model_dtype_where_the_arena_has_no_r
 
     held = [step(1024)]                     # 256 KiB in float32: the arena has room
     assert held[0].dtype == torch.float32 and c.arena.holds(held[0]) and c.widened == 1
-    while (t := c.arena.alloc((1024, 64), torch.float32)) is not None:    # the arena filled up
-        held.append(t)
+    budget["room"] = False
+    assert step(1024).dtype == torch.bfloat16 and c.widened == 1      # the budget says no
+    budget["room"] = True
+    got.clear()
+    for rows in (1024, 16):                 # the arena filled up
+        while (t := c.arena.alloc((rows, 64), torch.float32)) is not None:
+            held.append(t)
+    del held[1]                             # but for a hole of 256 - 120 KiB: 1024 rows fit in bf16 only
+    held.append(c.arena.alloc((480, 64), torch.float32))
     big = step(1024)                        # no room in float32: above the cap outside it
-    assert big.dtype == torch.bfloat16 and c.widened == 1
-    small = step(100)                       # at the cap: widened outside the arena
+    assert big.dtype == torch.bfloat16 and c.arena.holds(big) and c.widened == 1
+    small = step(300)                       # at the cap: widened outside the arena
     assert small.dtype == torch.float32 and not c.arena.holds(small) and c.widened == 2
 
 

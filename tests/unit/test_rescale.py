@@ -4,6 +4,7 @@ number the full way could refuse goes the full way."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -380,7 +381,8 @@ def test_an_offline_float32_capture_of_prompt_rows_is_widened_on_the_device(monk
     monkeypatch.setitem(st.__dict__, "_capture_limit", 2 * 10 * H * 4 - 1)   # 2 layers, 10 rows
     assert wire(every, max_tokens=1) is None
     monkeypatch.setitem(st.__dict__, "_capture_limit", 1 << 40)       # no cap of its own beyond it
-    assert wire({"capture": [{"layers": "all", "tokens": "all"}]}, max_tokens=1) == 1
+    monkeypatch.setattr(st, "info", dataclasses.replace(INFO, hidden_size=1 << 20))
+    assert wire({"capture": [{"layers": [1, 2], "tokens": "all"}]}, max_tokens=1) == 1     # 2 x 160 MiB
     monkeypatch.undo()
     monkeypatch.setitem(SERVED, "on", True)
     assert wire(every, max_tokens=1) is None

@@ -50,11 +50,14 @@ KEEP_PINNED_BYTES = min(4 << 30, max(1 << 30, os.sysconf("SC_PHYS_PAGES") * os.s
 
 class Collector:
     def __init__(self, pools: list[torch.Tensor | None], deliver: Deliver, arena_bytes: int = 0,
-                 widens: Callable[[object], bool] | None = None):
+                 widens: Callable[[object], bool] | None = None, room: Callable[[int], bool] | None = None):
         self.pools = pools
         self.deliver = deliver
         # Whether a segment's owner takes its rows in float32 (`_wide_pools`)
         self.widens = widens
+        # Whether the worker's in-flight budget (max_inflight_capture_bytes) has room for n
+        # more bytes: a block is widened only then (float32 rows count twice the model dtype's)
+        self.room = room
         self.device = next(p for p in pools if p is not None).device
         self.on_device = self.device.type != "cpu"
         # Made now, not at the first large step: page-locking 4 GiB took 2.4 s on the H200
@@ -127,9 +130,12 @@ class Collector:
 
     def _to_host(self, t: torch.Tensor, arena: Arena | None = None, dtype: torch.dtype | None = None
                  ) -> torch.Tensor:
-        """`t` in host memory (`dtype`: converted to it on the way where the arena takes it or
-        it is small, WIDEN_OUTSIDE_ARENA_BYTES; else in its own dtype)."""
+        """`t` in host memory (`dtype`: converted to it on the way where the in-flight budget
+        has room for it and the arena takes it or it is small, WIDEN_OUTSIDE_ARENA_BYTES; else
+        in its own dtype)."""
         dtype = dtype or t.dtype
+        if dtype != t.dtype and self.room is not None and not self.room(t.numel() * dtype.itemsize):
+            dtype = t.dtype
         host = arena.alloc(t.shape, dtype) if arena is not None else None
         if host is None and dtype != t.dtype and t.numel() * dtype.itemsize > WIDEN_OUTSIDE_ARENA_BYTES:
             dtype = t.dtype

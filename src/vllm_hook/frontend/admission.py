@@ -93,10 +93,11 @@ def _widen_on_device(st, res, worst: int) -> None:
     bf16 or fp16 whose rows all come from its prompt (prompt selectors, or one token
     generated: no decode rows, whose joining converts them anyway), whose float32 rows fit
     max_capture_bytes_per_request. The device converts (its time not yet measured) what cost
-    the frontend's read 56 µs a hooked request of the mixed prefill-only batch (run 149), and
+    the frontend's read 56 µs more a hooked request of the mixed prefill-only batch (63
+    against 7, run 149), and
     the big capture's 1.4 GB in bf16 made 2.8 GB of fresh float32 memory there (2.97x a plain
     batch, run 51); the copy to the host doubles. A block the worker's arena has no room for
-    goes in the model's dtype where large (`delivery.collector`), widened here as before. Not
+    goes in the model's dtype where large (`delivery.collector`), widened by the frontend as before. Not
     served: there rows travel in the model's dtype and the client widens them
     (`Results.widen_to`). Not attention scores (float32 already)."""
     wide = 2 * worst             # float32 rows of a 2-byte dtype

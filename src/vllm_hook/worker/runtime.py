@@ -202,9 +202,9 @@ class HookRuntime:
         self.attn_layers = attn_layers or []
         self.tables = DeviceTables(bufs)
         self.staging = _Staging(bufs)
-        self.collector = Collector(bufs.pools, self._deliver, arena_bytes=cfg.arena_bytes(),
-                                   widens=_widens)
         self.budget = Budget(cfg.capture_limits()[1])     # unfetched captures, all requests
+        self.collector = Collector(bufs.pools, self._deliver, arena_bytes=cfg.arena_bytes(),
+                                   widens=_widens, room=self._budget_room)
         self.requests: dict[str, HookRequest] = {}     # admitted, not yet finished
         self.active: dict[str, HookRequest] = {}       # may still be routed
         self.done: dict[str, HookRequest] = {}         # finished, results waiting for a fetch
@@ -743,6 +743,9 @@ class HookRuntime:
                 _note(seg.owner.errors, f"internal error copying captures: {e!r}")
         finally:
             self._count_host(t0, repeated is not None)
+
+    def _budget_room(self, nbytes: int) -> bool:
+        return self.budget.used + nbytes <= self.budget.limit
 
     def _deliver(self, seg: Segment, rows: torch.Tensor, blocked: bool = False) -> None:
         req: HookRequest = seg.owner
