@@ -382,7 +382,7 @@ def test_an_offline_float32_capture_of_prompt_rows_is_widened_on_the_device(monk
     assert wire(every, max_tokens=1) is None
     monkeypatch.setitem(st.__dict__, "_capture_limit", 1 << 40)       # no cap of its own beyond it
     monkeypatch.setattr(st, "info", dataclasses.replace(INFO, hidden_size=1 << 20))
-    assert wire({"capture": [{"layers": [1, 2], "tokens": "all"}]}, max_tokens=1) == 1     # 2 x 160 MiB
+    assert wire({"capture": [{"layers": [1, 2], "tokens": "all"}]}, max_tokens=1) == 1     # 80 MiB in float32
     monkeypatch.undo()
     monkeypatch.setitem(SERVED, "on", True)
     assert wire(every, max_tokens=1) is None
