@@ -7,7 +7,7 @@ overwrite the pools only after the copies, by stream order. On the CPU the pools
 host memory: copy now. Besides pool rows, a step may deliver tensors computed after the
 forward (attention weights): `extras`. A pool's block whose every capture takes its rows in
 float32 from its prompt alone (offline, wire "W") is converted on the device before its copy
-(where the arena has room for it, or it is small).
+(where the in-flight budget has room for its float32 rows, and the arena does or it is small).
 
 A step of 64 KiB and more (a prompt's rows) is copied into the worker's shared arena
 (`arena`) when it has room: its rows stay there, and a fetch lends them to the frontend. Else
