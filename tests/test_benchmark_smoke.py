@@ -16,11 +16,17 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _script(name: str, *args, timeout: int = 1500) -> subprocess.CompletedProcess:
+    """benchmarks/`name` run with `args`; asserted to succeed (its output's tail if not)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def test_benchmark_suite_smoke(tmp_path, engines):
     engines.close()                      # the four engine processes get the CPU
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke", "--suite", "bench",
-                           "--in-engine", "--out", str(tmp_path)], capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _script("run.py", "--smoke", "--suite", "bench", "--in-engine", "--out", tmp_path)
     r = json.loads((tmp_path / "results.json").read_text())
     assert set(r["startup"]) == {"native_graph", "plugin_lean", "plugin_full", "plugin_capture_only"}
     workloads = {x["workload"] for x in r["bench"]["tpot"]}
@@ -49,9 +55,7 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
                                              "steer_add_all_layers_own_scale", "--one-params", "--varied-lengths"]),
                           ("hooks_gpu.py", []), ("extract_speed.py", []), ("async_fetch.py", [])):
         out = tmp_path / script
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *extra],
-                              capture_output=True, text=True, timeout=1500)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _script(script, "--smoke", "--out", out, *extra)
         assert (out / "report.md").read_text().count("|") > 20
     tp = json.loads((tmp_path / "throughput.py" / "results.json").read_text())
     assert {c["workload"] for c in tp["cases"]} >= {"unused", "steer_add_all_layers", "capture_all_tokens_all_layers",
@@ -72,9 +76,7 @@ def test_widen_check_smoke(tmp_path, engines):
     device equal the model dtype's widened; a batch sharing its blocks widens none."""
     engines.close()
     out = tmp_path / "widen"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "widen_check.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _script("widen_check.py", "--smoke", "--out", out, timeout=900)
     got = json.loads((out / "check.json").read_text())
     assert got["all_float32"]["blocks_widened"] > 0 and all(got["all_float32"]["equal"])
     assert got["mixed_with_model_dtype"]["blocks_widened"] == 0 and all(got["mixed_with_model_dtype"]["equal"])
@@ -84,9 +86,7 @@ def test_uva_probe_smoke(tmp_path):
     """benchmarks/uva_probe.py (issue 17) on the CPU: rows scattered into per-request regions
     equal the rows they came from, in bf16 and widened to float32."""
     out = tmp_path / "uva"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "uva_probe.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _script("uva_probe.py", "--smoke", "--out", out, timeout=300)
     got = json.loads((out / "uva.json").read_text())
     assert all(got["regions_equal"].values()) and got["host_join_float32_us_per_request"] > 0
 
@@ -96,10 +96,8 @@ def test_served_throughput_benchmark_smoke(tmp_path, engines):
     native, plugin, native, plugin."""
     engines.close()
     out = tmp_path / "tps"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput_served.py"), "--smoke",
-                           "--workloads", "unused", "mixed_thirds", "--batches", "8x16+4", "--reps", "2",
-                           "--out", str(out)], capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _script("throughput_served.py", "--smoke", "--workloads", "unused", "mixed_thirds", "--batches", "8x16+4",
+            "--reps", "2", "--out", out)
     r = json.loads((out / "results.json").read_text())
     assert [c["workload"] for c in r["cases"]] == ["unused", "mixed_thirds"]
     for c in r["cases"]:
@@ -126,10 +124,8 @@ def test_api_server_cpu_benchmark_smoke(tmp_path, engines):
     request, rounds alternating, on one plugin `vllm serve`."""
     engines.close()
     out = tmp_path / "asc"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "api_server_cpu.py"), "--requests", "24",
-                           "--rounds", "2", "--in-flight", "12", "--batches", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _script("api_server_cpu.py", "--requests", "24", "--rounds", "2", "--in-flight", "12", "--batches",
+                   "--out", out)
     r = json.loads((out / "result.json").read_text())
     assert [len(r["rounds"][k]) for k in ("plain", "steer_add_all_layers")] == [2, 2]
     assert set(r["extra"]["steer_add_all_layers"]) == {"loop_us", "process_us", "client_us"}
@@ -138,10 +134,7 @@ def test_api_server_cpu_benchmark_smoke(tmp_path, engines):
 
 def test_host_cost_microbenchmark_smoke(tmp_path):
     """Admission and delivery paths for 256 requests, no engine (issue 17)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_cost.py"), "--requests", "256",
-                           "--served", "--out", str(tmp_path / "host.json")], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _script("host_cost.py", "--requests", "256", "--served", "--out", tmp_path / "host.json", timeout=600)
     r = json.loads((tmp_path / "host.json").read_text())
     for name, row in r.items():
         # The resolution cache: a batch sharing one spec resolves it once (a scale of each
@@ -160,10 +153,8 @@ def test_host_profile_smoke(tmp_path, engines):
     """benchmarks/profile_host.py (issue 17) on the tiny model, its cases named (`--cases`): one
     profile per case, the plugin's counters beside it."""
     engines.close()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_host.py"), "--smoke", "--out",
-                           str(tmp_path / "prof"), "--cases", "steer_add_all_layers:4:2"],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _script("profile_host.py", "--smoke", "--out", tmp_path / "prof", "--cases", "steer_add_all_layers:4:2",
+            timeout=900)
     text = (tmp_path / "prof" / "prof.txt").read_text()
     assert text.count("=====") == 1 and "steer_add_all_layers, 4 requests, 32 + 2 tokens" in text
     assert "plugin counters per profiled batch" in text
@@ -175,9 +166,7 @@ def test_parallel_benchmark_smoke(tmp_path, engines):
     table is written."""
     engines.close()
     out = tmp_path / "par"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "parallel.py"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _script("parallel.py", "--smoke", "--out", out)
     r = json.loads((out / "results.json").read_text())
     assert set(r["startup"]) == {f"{k}_{lay}" for k in ("native", "plugin") for lay in ("tp1", "tp2", "pp2")}
     for lay in ("tp2", "pp2"):
