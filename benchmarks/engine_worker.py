@@ -191,6 +191,10 @@ def main() -> None:
                     after = hook.stats(llm)["timing"] if hook else None
                     host_us.append(step_host_us(before, after) if hook else None)
                     repeat_us.append(step_host_us(before, after, "repeated_steps", "repeated_s") if hook else None)
+                    # Dropped before the next batch, as a loop that saves each batch's results
+                    # does: held, they would keep their share of the result arena, and a
+                    # large capture's next batch would not fit it (run 151).
+                    del outs
                 reply({"times": times, "gc_s": gcs, "decode_tpot": tpots, "step_tpot": step_tpots, "capture_bytes": nbytes,
                        "step_ms_p10_p50_p90": spread, "sm_clock_mhz": clocks, "step_host_us": host_us,
                        "repeat_host_us": repeat_us})

@@ -1,12 +1,18 @@
-"""Rows widened on the device equal the model dtype's rows widened, bit for bit (issue 17).
+"""Rows widened to float32 on the device are the model dtype's rows, widened (issue 17).
 
     source scripts/gpu_env.sh && python3 benchmarks/widen_check.py --model DIR --out $OUT/widen
 
 An offline float32 capture whose rows all come from the prompt is converted on the device
 before its copy to the host (wire "W", `delivery.collector`). One bf16 engine (CUDA graphs on
-a GPU), batches of one-token requests capturing every token at 4 layers in float32, beside
-the same prompts in the model's dtype, and a batch mixing both (its blocks stay bf16, the
-frontend widens). Writes check.json: every comparison and the workers' `blocks_widened`.
+a GPU), batches of one-token requests capturing every token at 4 layers: in the model's dtype
+first, then in float32, then mixing both (a block shared with a model-dtype request stays bf16
+and the frontend widens it). Each float32 row must be a bf16 value, exactly (widened, nothing
+computed in float32), and match the first batch's rows: bit for bit where the steps were the
+same, within bf16 rounding where not. The steps are not fixed: `LLM.generate` hands requests
+to the engine core's process one by one, so its first step may hold only some of them, and
+a bf16 row depends on its batch (run 151: one request of 24 differed). Also checked: the first
+batch's rows, held while the later batches ran, did not change (their arena range reused
+while lent). Writes check.json.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -50,23 +57,44 @@ def main() -> None:
     def widened():
         return vllm_hook.stats(llm)["blocks_widened"]
 
-    def same(wide, narrow):
-        return all(wide.activations[s][x].dtype == torch.float32
-                   and torch.equal(wide.activations[s][x], narrow.activations[s][x].float())
-                   for s in narrow.activations for x in narrow.activations[s])
+    def compare(a, b) -> dict:
+        """`a`'s rows against `b`'s: equal, or how far apart (max of |a - b| / max |b| per row
+        block), and whether `a`'s float32 rows are all bf16 values."""
+        out = {"equal": True, "rel": 0.0, "bf16_values": True, "float32": True}
+        for s in b.activations:
+            for x in b.activations[s]:
+                u, v = a.activations[s][x], b.activations[s][x].float()
+                out["float32"] &= u.dtype == torch.float32
+                out["bf16_values"] &= torch.equal(u.float(), u.bfloat16().float())
+                u = u.float()
+                if u.shape != v.shape:
+                    out.update(equal=False, rel=float("inf"))
+                elif not torch.equal(u, v):
+                    out.update(equal=False, rel=max(out["rel"], float((u - v).abs().max() / v.abs().max())))
+        return out
 
     n = len(prompts)
-    narrow = run([{**cap, "dtype": "model"}] * n)
+    first = run([{**cap, "dtype": "model"}] * n)
+    kept = [SimpleNamespace(activations={s: {x: t.clone() for x, t in d.items()} for s, d in r.activations.items()})
+            for r in first]
     report = {}
     for name, specs in (("all_float32", [cap] * n), ("mixed_with_model_dtype", [cap, {**cap, "dtype": "model"}] * (n // 2))):
         before = widened()
         got = run(specs)
-        report[name] = {"blocks_widened": widened() - before,
-                        "equal": [same(g, narrow[i]) for i, g in enumerate(got) if specs[i] is cap]}
-        print(name, report[name]["blocks_widened"], all(report[name]["equal"]), flush=True)
+        rows = [compare(g, kept[i]) for i, g in enumerate(got) if specs[i] is cap]
+        report[name] = {"blocks_widened": widened() - before, "requests": len(rows),
+                        "float32_and_bf16_values": all(r["float32"] and r["bf16_values"] for r in rows),
+                        "equal": sum(r["equal"] for r in rows), "max_rel_diff": max(r["rel"] for r in rows)}
+        print(name, json.dumps(report[name]), flush=True)
+    report["first_rows_changed_while_held"] = [i for i in range(n) if not compare(first[i], kept[i])["equal"]]
+    again = run([{**cap, "dtype": "model"}] * n)
+    report["model_dtype_again"] = {"equal": sum(compare(again[i], kept[i])["equal"] for i in range(n)), "requests": n}
+    print(json.dumps({k: report[k] for k in ("first_rows_changed_while_held", "model_dtype_again")}), flush=True)
     (out / "check.json").write_text(json.dumps(report, indent=1))
-    ok = all(all(r["equal"]) for r in report.values()) and report["all_float32"]["blocks_widened"] > 0 \
-        and report["mixed_with_model_dtype"]["blocks_widened"] == 0
+    # bf16 rounding between batches of different steps: well under 1 % of a block's largest value
+    ok = report["all_float32"]["blocks_widened"] > 0 and not report["first_rows_changed_while_held"] \
+        and all(report[k]["float32_and_bf16_values"] and report[k]["max_rel_diff"] < 0.01
+                for k in ("all_float32", "mixed_with_model_dtype"))
     print("widen check:", "ok" if ok else "FAILED", flush=True)
     sys.exit(0 if ok else 1)
 
