@@ -3,16 +3,16 @@
     source scripts/gpu_env.sh && python3 benchmarks/widen_check.py --model DIR --out $OUT/widen
 
 An offline float32 capture whose rows all come from the prompt is converted on the device
-before its copy to the host (wire "W", `delivery.collector`). One bf16 engine (CUDA graphs on
-a GPU), batches of one-token requests capturing every token at 4 layers: in the model's dtype
+before its copy to the host (wire "W", `delivery.collector`). One bf16 engine (CUDA graphs on a
+GPU), batches of one-token requests capturing every token at 4 layers: in the model's dtype
 first, then in float32, then mixing both (a block shared with a model-dtype request stays bf16
 and the frontend widens it). Each float32 row must be a bf16 value, exactly (widened, nothing
 computed in float32), and match the first batch's rows: bit for bit where the steps were the
-same, within bf16 rounding where not. The steps are not fixed: `LLM.generate` hands requests
-to the engine core's process one by one, so its first step may hold only some of them, and
-a bf16 row depends on its batch (run 151: one request of 24 differed). Also checked: the first
-batch's rows, held while the later batches ran, did not change (their arena range reused
-while lent). Writes check.json.
+same, within bf16 rounding where not (5 % of the block's largest value). The steps are not
+fixed: `LLM.generate` hands requests to the engine core's process one by one, so its first step
+may hold only some of them, and a bf16 row depends on its batch (run 151: one request of 24
+differed). Also checked: the first batch's rows, held while the later batches ran, did not
+change (their arena range reused while lent). Writes check.json.
 """
 
 from __future__ import annotations
@@ -91,9 +91,11 @@ def main() -> None:
     report["model_dtype_again"] = {"equal": sum(compare(again[i], kept[i])["equal"] for i in range(n)), "requests": n}
     print(json.dumps({k: report[k] for k in ("first_rows_changed_while_held", "model_dtype_again")}), flush=True)
     (out / "check.json").write_text(json.dumps(report, indent=1))
-    # bf16 rounding between batches of different steps: well under 1 % of a block's largest value
+    # Rows of a batch with other steps differ by bf16 rounding carried through the layers: up
+    # to 2.9 % of a block's largest value (run 152, 2 requests of 24). Rows read from the wrong
+    # place (another token, layer or request) differ by about 100 %.
     ok = report["all_float32"]["blocks_widened"] > 0 and not report["first_rows_changed_while_held"] \
-        and all(report[k]["float32_and_bf16_values"] and report[k]["max_rel_diff"] < 0.01
+        and all(report[k]["float32_and_bf16_values"] and report[k]["max_rel_diff"] < 0.05
                 for k in ("all_float32", "mixed_with_model_dtype"))
     print("widen check:", "ok" if ok else "FAILED", flush=True)
     sys.exit(0 if ok else 1)

@@ -81,7 +81,7 @@ def test_widen_check_smoke(tmp_path, engines):
     got = json.loads((out / "check.json").read_text())
     assert got["all_float32"]["blocks_widened"] > 0 and not got["first_rows_changed_while_held"]
     for k in ("all_float32", "mixed_with_model_dtype"):
-        assert got[k]["float32_and_bf16_values"] and got[k]["max_rel_diff"] < 0.01, got[k]
+        assert got[k]["float32_and_bf16_values"] and got[k]["max_rel_diff"] < 0.05, got[k]
 
 
 def test_uva_probe_smoke(tmp_path):
