@@ -212,6 +212,7 @@ def main() -> None:
                         r.save(path)
                         item["saved"] = path
                     res.append(item)
+                outs = o = r = None         # as after "time": no results held into the next command
                 reply({"outputs": res})
             elif op == "register_bench_vectors":
                 g = torch.Generator().manual_seed(0)

@@ -72,16 +72,18 @@ def test_throughput_and_hook_benchmarks_smoke(tmp_path, engines):
 
 
 def test_widen_check_smoke(tmp_path, engines):
-    """benchmarks/widen_check.py (issue 17) on the tiny model in bf16: rows widened on the
-    device are the model dtype's rows widened, in a float32 batch and a mixed one; the first
-    batch's rows, held, do not change while later batches run."""
+    """benchmarks/widen_check.py (issue 17) on the tiny model in bf16 exits 0 (its checks:
+    rows widened on the device are the model dtype's rows widened, in a float32 batch and a
+    mixed one; the first batch's rows, lent from the arena and held, do not change while later
+    batches run). On the CPU the rows of every batch came out equal bit for bit."""
     engines.close()
     out = tmp_path / "widen"
     _script("widen_check.py", "--smoke", "--out", out, timeout=900)
     got = json.loads((out / "check.json").read_text())
-    assert got["all_float32"]["blocks_widened"] > 0 and not got["first_rows_changed_while_held"]
-    for k in ("all_float32", "mixed_with_model_dtype"):
-        assert got[k]["float32_and_bf16_values"] and got[k]["max_rel_diff"] < 0.05, got[k]
+    assert got["first_batch_pieces_lent"] > 0 and got["wrong_place_rel_min"] > 0.5
+    assert (got["all_float32"]["requests"], got["mixed_with_model_dtype"]["requests"]) == (24, 12)
+    for g in (got["all_float32"], got["mixed_with_model_dtype"], got["mixed_with_model_dtype"]["model_dtype_requests"]):
+        assert g["equal"] == g["requests"], g
 
 
 def test_uva_probe_smoke(tmp_path):
