@@ -40,8 +40,8 @@ WIDEN_SLICE_BYTES = 32 << 20   # the device's float32 temporary of a block widen
 # size; a larger one goes in the model's dtype and its frontend widens it, as before "W".
 # Outside the arena a block takes a fresh page-locked allocation and a write by value, twice
 # as large in float32: run 151 (H100), every layer and token of 32 x 512-token prompts in
-# float32 with the arena held by the previous batch's results, 1.4 to 2.0 s a batch at 64 MiB
-# against 0.18 s when the arena took them.
+# float32 with the arena held by the previous batch's results, 1.4 s a batch at 64 MiB against
+# 0.18 s when the arena took them.
 WIDEN_OUTSIDE_ARENA_BYTES = 1 << 20
 KEEP_PINNED_MIN = 4 << 20       # a step's pinned block this large is kept, not copied out
 # At most this much kept at a time: a 16th of the host's memory, from 1 to 4 GiB (all layers
