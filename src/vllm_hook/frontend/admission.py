@@ -96,10 +96,10 @@ def _widen_on_device(st, res, worst: int) -> None:
     the frontend's read 56 µs more a hooked request of the mixed prefill-only batch (63
     against 7, run 149), and the big capture's 1.4 GB in bf16 made 2.8 GB of fresh float32
     memory there (2.97x a plain batch, run 51); the copy to the host doubles. A block the
-    worker's in-flight budget has no room for in float32, or a large one its arena has none
-    for, goes in the model's dtype (`delivery.collector`), widened by the frontend as before. Not served: there rows travel
-    in the model's dtype and the client widens them (`Results.widen_to`). Not attention
-    scores (float32 already)."""
+    worker's in-flight budget has no room for in float32, or one above 1 MiB its arena has
+    none for, goes in the model's dtype (`delivery.collector`), widened by the frontend as
+    before. Not served: there rows travel in the model's dtype and the client widens them
+    (`Results.widen_to`). Not attention scores (float32 already)."""
     wide = 2 * worst             # float32 rows of a 2-byte dtype
     if (not res.widen_when or st.info.dtype not in ("bfloat16", "float16") or SERVED["on"]
             or res.dtype != "float32" or not wide or wide > st.capture_limit()):
