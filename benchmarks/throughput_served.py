@@ -24,7 +24,10 @@ the plugin's work wherever and whenever it ran, which wall-clock ratios on a noi
 is the floor of what two servers on one machine differ by.
 The servers run at once (started one after another), each with its share of GPU memory, and
 only one is sent requests at a time. Results are inline up to --inline-bytes (default: the
-plugin's), larger ones by handle (the client fetches and deletes each in one round trip).
+plugin's), larger ones by handle: the client, on the server's host, reads each from its file
+and releases a response's in one call (`local_results`, docs/serve.md); with
+`--no-local-results` it fetches and deletes each over HTTP in one round trip, as a client on
+another host does.
 The client keeps no connection alive (`--client-limits async-client`: `vllm_hook.AsyncClient`'s
 own pool, 20 kept). "MB / extra s" is the hooked batch's activation bytes over its median extra
 time: the bandwidth at which moving the results alone would explain the extra.
@@ -104,7 +107,8 @@ GC = process_clock()     # the client's seconds in Python's cyclic collector
 class Driver:
     """One server's client: a connection pool large enough for every request of a batch."""
 
-    def __init__(self, url: str, max_requests: int, client_limits: str = "none-kept", pid: int | None = None):
+    def __init__(self, url: str, max_requests: int, client_limits: str = "none-kept", pid: int | None = None,
+                 local_results: bool = True):
         # No keep-alive: httpx's pool slows down as it fills with idle connections (encode/httpx
         # #3215). Reusing them, a batch of 128 took 2.8 s on the CI machine's tiny server against
         # 1.45 s on fresh connections and 0.8 s with none kept; on the H200 it is the likely cause
@@ -115,7 +119,7 @@ class Driver:
                   else httpx.Limits(max_connections=max_requests + 8, max_keepalive_connections=0))
         self.http = httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
                                       timeout=1800, limits=limits)
-        self.client = AsyncClient(url, http=self.http)
+        self.client = AsyncClient(url, http=self.http, local_results=local_results)
         self.delivered = 0      # bytes of activations in the last batch's results
         self.gc_s = 0.0         # the client's seconds in Python's collector during the last batch
         # CPU seconds of the last batch: the server's API process, its engine processes, this client
@@ -228,7 +232,8 @@ def report(result: dict) -> str:
     m = result["meta"]
     lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
              f"wall {m.get('wall_s', 0):.0f} s; served (`vllm serve`, results inline up to "
-             f"{m.get('inline_bytes') or 'the default 1 MiB'} bytes, larger by handle). Ratios: median "
+             f"{m.get('inline_bytes') or 'the default 1 MiB'} bytes, larger by handle, "
+             f"{'read from their files' if m.get('local_results', True) else 'fetched over HTTP'}). Ratios: median "
              "[95 % bootstrap interval] over reps. " + host_line(m), "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
              "unhooked vs native | second native vs native | native, requests/s | results delivered (MB) | "
@@ -272,7 +277,8 @@ async def bench(args, model: str, cfg: dict, result: Record) -> None:
     drivers = {}
     try:
         n_max = max(int(b.split("x")[0]) for b in args.batches)
-        drivers = {name: Driver(s.url, n_max, args.client_limits, s.proc.pid) for name, s in servers.items()}
+        drivers = {name: Driver(s.url, n_max, args.client_limits, s.proc.pid, not args.no_local_results)
+                   for name, s in servers.items()}
         import torch
 
         await drivers["plugin"].client.register_vectors({VECTOR: torch.randn(cfg["hidden_size"])})
@@ -311,6 +317,9 @@ def main() -> None:
     ap.add_argument("--client-limits", choices=["none-kept", "async-client"], default="none-kept",
                     help="the client's connection pool: none kept alive (default), or vllm_hook.AsyncClient's "
                          "own limits (1,024 connections, 20 kept alive)")
+    ap.add_argument("--no-local-results", action="store_true",
+                    help="results kept by handle fetched over HTTP, as by a client on another host (default: "
+                         "read from their files, `local_results`)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the client's heap to Python's collector (default: frozen once set up)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
@@ -330,7 +339,8 @@ def main() -> None:
     args.reps = args.reps or 5
     cfg = json.loads((Path(model) / "config.json").read_text())
     result = Record(Path(args.out), run_meta(model, cfg, inline_bytes=args.inline_bytes,
-                                              client_limits=args.client_limits, gc_freeze=not args.no_gc_freeze),
+                                              client_limits=args.client_limits, gc_freeze=not args.no_gc_freeze,
+                                              local_results=not args.no_local_results),
                     render=report, cases=[])
     try:
         asyncio.run(bench(args, model, cfg, result))

@@ -140,16 +140,39 @@ def test_http_equals_offline(client, refs, name):
     _check_case(name, out, refs)
 
 
-def test_large_results_travel_by_handle_and_are_deleted(client, refs):
+def test_large_results_travel_by_handle_and_are_deleted(server, client, refs):
+    """A result too large to inline is kept by handle. The plugin's client, on the server's
+    host, reads it from its file in /dev/shm and releases it; with `local_results=False`, or
+    a client that does not ask (no "local" in its accept header), it goes over HTTP. Either
+    way it equals the offline result, and nothing is left on the server."""
     ids, spec, n = CASES["capture_all"]
-    out = client.generate(ids, spec, max_tokens=n, temperature=0)
-    entry = out.raw["vllm_hook"]["results"][0]
-    assert entry["data"] is None and entry["handle"] and entry["bytes"] > INLINE
-    _check_case("capture_all", out, refs)
-    # The client fetched the handle and deleted it.
-    r = httpx.get(f"{client._http.base_url}/v1/hook/results/{entry['handle']}",
-                  headers={"Authorization": f"Bearer {API_KEY}"})
-    assert r.status_code == 404
+    head = {"Authorization": f"Bearer {API_KEY}"}
+    for local in (True, False):
+        with vllm_hook.Client(server.url, api_key=API_KEY, local_results=local) as c:
+            out = c.generate(ids, spec, max_tokens=n, temperature=0)
+        entry = out.raw["vllm_hook"]["results"][0]
+        assert entry["data"] is None and entry["handle"] and entry["bytes"] > INLINE
+        assert bool(entry.get("local")) is local, entry
+        if local:
+            assert entry["local"].startswith("/dev/shm/vllm-hook-result-") and not os.path.exists(entry["local"])
+        _check_case("capture_all", out, refs)
+        # The client fetched or released the handle: deleted.
+        assert httpx.get(f"{server.url}/v1/hook/results/{entry['handle']}", headers=head).status_code == 404
+    # Asked for by a client that cannot read the file (another host): fetched over HTTP.
+    body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": n, "temperature": 0,
+            "vllm_xargs": {"vllm_hook": json.dumps(spec)}}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers={**head, "x-vllm-hook-accept": "local"},
+                   timeout=120)
+    (entry,) = r.json()["vllm_hook"]["results"]
+    assert os.stat(entry["local"]).st_mode & 0o777 == 0o600
+    data = httpx.get(f"{server.url}/v1/hook/results/{entry['handle']}?delete=true", headers=head).content
+    assert len(data) == entry["bytes"] and not os.path.exists(entry["local"])
+    _same(vllm_hook.Results.from_bytes(data), refs["capture_all"][1], "local entry over HTTP")
+    # Release: bad bodies are 400s; unknown handles count as not released
+    rel = f"{server.url}/v1/hook/results/release"
+    assert httpx.post(rel, json={"handles": "x"}, headers=head).status_code == 400
+    assert httpx.post(rel, json={"handles": ["nope"]}, headers=head).json() == {"released": 0}
+    assert httpx.get(f"{server.url}/v1/hook/health", headers=head).json()["retained_results"]["as_files"] == 0
 
 
 def test_small_results_travel_inline(client):

@@ -6,8 +6,9 @@
 
 `Client` is synchronous, `AsyncClient` has the same methods as coroutines (`stream` /
 `stream_chat` return a `Stream` to iterate, or `async for`, then read `.results`). Results come back
-as the same `Results` objects as offline; results too large to travel inline are fetched by
-handle and then deleted on the server; a steering-only result comes as its choice's tokens
+as the same `Results` objects as offline; results too large to travel inline are read from
+their files where the client runs on the server's host (`local_results`), else fetched by
+handle, and then deleted on the server; a steering-only result comes as its choice's tokens
 (docs/serve.md, "The response"). `Client.results_of(response)` does the same for a whole
 response (or the extra stream event) obtained with the `openai` package. Request bodies are
 written and completions read with msgspec.
@@ -18,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -28,7 +31,8 @@ import pybase64
 from .hooks.hook import Hook
 from .hooks.state import decode_collected
 from .results import Results
-from .server.encode import ACCEPT_HEADER, CHOICE, STACKED, TOKENLESS, TOKENS, shown_tokens
+from .server.encode import ACCEPT_HEADER, CHOICE, LOCAL, STACKED, TOKENLESS, TOKENS, shown_tokens
+from .server.store import LOCAL_PREFIX
 from .spec.errors import SpecError, UnknownVectorError
 from .spec.schema import SPEC_KEY, HookSpec
 from .spec.vectors import encode_vector
@@ -140,14 +144,17 @@ def _json_bytes(obj: Any, allow_nan: bool = False) -> bytes:
     return out
 
 
-def _as_json(body: Any, tokens: bool = False) -> dict:
+def _as_json(body: Any, tokens: bool = False, local: bool = False) -> dict:
     """httpx arguments that send `body` as JSON (`_json_bytes`). `tokens`: a completion or
-    chat request, whose steering-only results may come as their choice's tokens."""
-    return {"content": _json_bytes(body), "headers": _TOKENS_HEADERS if tokens else _JSON_HEADERS}
+    chat request, whose steering-only results may come as their choice's tokens; `local`:
+    whose large results may come as files (`_read_local`)."""
+    return {"content": _json_bytes(body),
+            "headers": (_LOCAL_HEADERS if local else _TOKENS_HEADERS) if tokens else _JSON_HEADERS}
 
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _TOKENS_HEADERS = {**_JSON_HEADERS, ACCEPT_HEADER: f"{TOKENS}, {STACKED}, {TOKENLESS}"}
+_LOCAL_HEADERS = {**_JSON_HEADERS, ACCEPT_HEADER: f"{TOKENS}, {STACKED}, {TOKENLESS}, {LOCAL}"}
 
 
 def _loads(resp: httpx.Response) -> Any:
@@ -222,6 +229,46 @@ def hook_field(response: Any) -> dict | None:
 def _entries(response: Any) -> list[dict]:
     hook = hook_field(response)
     return sorted((hook or {}).get("results", []), key=lambda e: e["index"])
+
+
+def _read_local(entry: dict) -> bytes | None:
+    """The bytes of an entry kept as a file (`"local"`: `server.store`), read here where this
+    process is on the server's host and may read it; None otherwise (then it is fetched by
+    handle). Only a result file of that handle is read, whatever path a server names."""
+    path, handle = entry.get(LOCAL), entry.get("handle")
+    if not (isinstance(path, str) and isinstance(handle, str) and os.path.isabs(path)
+            and os.path.basename(path).startswith(LOCAL_PREFIX) and path.endswith(f"-{handle}")):
+        return None
+    try:
+        with open(path, "rb", buffering=0) as f:
+            data = f.read()
+    except OSError:                  # another host, or another user's server
+        return None
+    return data if len(data) == entry.get("bytes") else None
+
+
+def _plan(entries: list[dict]) -> tuple[list[bytes | None], list[int], list[str]]:
+    """Each entry's bytes where it has them (inline, or a file read here), the entries to
+    fetch by handle, and the handles read from files (to release on the server)."""
+    datas = [_inline(e) for e in entries]
+    fetch, release = [], []
+    for i, e in enumerate(entries):
+        if datas[i] is None and e.get("handle"):
+            datas[i] = _read_local(e)
+            if datas[i] is None:
+                fetch.append(i)
+            else:
+                release.append(e["handle"])
+    return datas, fetch, release
+
+
+RELEASE_PATH = "/v1/hook/results/release"
+
+
+def _released_badly(e: Exception) -> None:
+    # The results are read; the server drops the files after result_ttl_s anyway.
+    warnings.warn(f"vllm-hook: releasing results read from files failed ({e}); the server keeps "
+                  "them until result_ttl_s", RuntimeWarning, stacklevel=3)
 
 
 def _fetch_path(handle: str) -> str:
@@ -350,14 +397,28 @@ def _headers(api_key: str | None) -> dict:
 
 # ---- the clients ---------------------------------------------------------------------------
 
-class Client:
+class _Core:
+    """What `Client` and `AsyncClient` share beyond the module's functions."""
+
+    local_results: bool
+
+    def _completion(self, body: dict) -> dict:
+        """httpx arguments of a completion or chat request (`_as_json`)."""
+        return _as_json(body, tokens=True, local=self.local_results)
+
+
+class Client(_Core):
     """Synchronous client. `base_url` with or without `/v1`; `model` defaults to the first
-    served model."""
+    served model. `local_results`: results too large to inline are read from their files
+    (the server's `local_results`, in its `result_spill_dir`) where this process runs on the
+    server's host and may read them, then released; fetched by handle otherwise, or always
+    when False."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
                  model: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 http: httpx.Client | None = None):
+                 http: httpx.Client | None = None, local_results: bool = True):
         self.model = model
+        self.local_results = local_results
         self._http = http or httpx.Client(base_url=_base_url(base_url), headers=_headers(api_key),
                                           timeout=timeout)
 
@@ -384,13 +445,13 @@ class Client:
         """`/v1/completions`. `prompt` is text or token ids; `sampling` are OpenAI/vLLM fields
         (max_tokens, temperature, n, seed, ...)."""
         body = _body({"model": self._model(), "prompt": prompt}, spec, sampling)
-        data = _loads(self._call("POST", "/v1/completions", **_as_json(body, tokens=True)))
+        data = _loads(self._call("POST", "/v1/completions", **self._completion(body)))
         return _generation(data, self._pairs(data), chat=False)
 
     def chat(self, messages: list[dict], spec: Any = None, **sampling) -> Generation:
         """`/v1/chat/completions`."""
         body = _body({"model": self._model(), "messages": messages}, spec, sampling)
-        data = _loads(self._call("POST", "/v1/chat/completions", **_as_json(body, tokens=True)))
+        data = _loads(self._call("POST", "/v1/chat/completions", **self._completion(body)))
         return _generation(data, self._pairs(data), chat=True)
 
     def stream(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Stream:
@@ -407,7 +468,7 @@ class Client:
         out = Stream(None, chat)
 
         def events():
-            with self._http.stream("POST", path, **_as_json(body, tokens=True)) as resp:
+            with self._http.stream("POST", path, **self._completion(body)) as resp:
                 if resp.status_code >= 400:
                     resp.read()
                     _raise_for(resp)
@@ -427,14 +488,17 @@ class Client:
         return [r for _, r in self._pairs(response)]
 
     def _pairs(self, response: Any) -> list[tuple[int, Results]]:
-        out, entries = [], _entries(response)
+        entries = _entries(response)
+        datas, fetch, release = _plan(entries)
+        for i in fetch:
+            datas[i] = self._call("GET", _fetch_path(entries[i]["handle"])).content
+        if release:
+            try:
+                self._call("POST", RELEASE_PATH, **_as_json({"handles": release}))
+            except (httpx.HTTPError, ServerError) as e:
+                _released_badly(e)
         choices = _choices_for(entries, response)
-        for e in entries:
-            data = _inline(e)
-            if data is None and e.get("handle"):
-                data = self._call("GET", _fetch_path(e["handle"])).content
-            out.append((e["index"], _decode(e, data, choices)))
-        return out
+        return [(e["index"], _decode(e, d, choices)) for e, d in zip(entries, datas)]
 
     def register_vectors(self, vectors: Mapping[str, Any]) -> list[str]:
         """Store named steering vectors on the server; specs may then name them."""
@@ -471,13 +535,14 @@ class Client:
         return self._call("POST", "/v1/hook/hooks/prefetch", **_as_json({"names": list(names)})).json()["cached"]
 
 
-class AsyncClient:
+class AsyncClient(_Core):
     """The same API as `Client`, as coroutines (httpx.AsyncClient)."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
                  model: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 http: httpx.AsyncClient | None = None):
+                 http: httpx.AsyncClient | None = None, local_results: bool = True):
         self.model = model
+        self.local_results = local_results
         self._http = http or httpx.AsyncClient(base_url=_base_url(base_url), headers=_headers(api_key),
                                                timeout=timeout, limits=ASYNC_LIMITS)
 
@@ -502,12 +567,12 @@ class AsyncClient:
 
     async def generate(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Generation:
         body = _body({"model": await self._model(), "prompt": prompt}, spec, sampling)
-        data = _loads(await self._call("POST", "/v1/completions", **_as_json(body, tokens=True)))
+        data = _loads(await self._call("POST", "/v1/completions", **self._completion(body)))
         return _generation(data, await self._pairs(data), chat=False)
 
     async def chat(self, messages: list[dict], spec: Any = None, **sampling) -> Generation:
         body = _body({"model": await self._model(), "messages": messages}, spec, sampling)
-        data = _loads(await self._call("POST", "/v1/chat/completions", **_as_json(body, tokens=True)))
+        data = _loads(await self._call("POST", "/v1/chat/completions", **self._completion(body)))
         return _generation(data, await self._pairs(data), chat=True)
 
     def stream(self, prompt: str | Sequence[int], spec: Any = None, **sampling) -> Stream:
@@ -523,7 +588,7 @@ class AsyncClient:
 
         async def events():
             body = _body({"model": await self._model(), **base}, spec, sampling)
-            async with self._http.stream("POST", path, **_as_json(body, tokens=True)) as resp:
+            async with self._http.stream("POST", path, **self._completion(body)) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
                     _raise_for(resp)
@@ -542,14 +607,19 @@ class AsyncClient:
 
     async def _pairs(self, response: Any) -> list[tuple[int, Results]]:
         entries = _entries(response)
-        datas = [_inline(e) for e in entries]
-        # Only results kept by handle need a round trip (those at once); inline ones are
-        # decoded here, without a task each: a batch's responses all arrive at its last step.
-        fetch = [i for i, (e, d) in enumerate(zip(entries, datas)) if d is None and e.get("handle")]
+        # Only results kept by handle and not read from their files need a round trip (those
+        # at once); inline ones are decoded here, without a task each: a batch's responses all
+        # arrive at its last step.
+        datas, fetch, release = _plan(entries)
         if fetch:
             got = await asyncio.gather(*(self._call("GET", _fetch_path(entries[i]["handle"])) for i in fetch))
             for i, resp in zip(fetch, got):
                 datas[i] = resp.content
+        if release:
+            try:
+                await self._call("POST", RELEASE_PATH, **_as_json({"handles": release}))
+            except (httpx.HTTPError, ServerError) as e:
+                _released_badly(e)
         choices = _choices_for(entries, response)
         return [(e["index"], _decode(e, d, choices)) for e, d in zip(entries, datas)]
 

@@ -155,6 +155,13 @@ class HookConfig(BaseModel):
         default=4 << 30, ge=0,
         description="Served mode: upper bound on retained results; the oldest are dropped first.",
     )
+    local_results: bool = Field(
+        default=True,
+        description="Served mode: a client that asks for it (`vllm_hook.Client` and `AsyncClient` "
+        "do) gets results too large to inline as files in /dev/shm (mode 0600), which it reads "
+        "where it runs on the server's host, and fetches by handle otherwise; they count toward "
+        "max_retained_bytes. Off: by handle only.",
+    )
     max_request_bytes: int = Field(
         default=64 << 20, ge=1024,
         description="Served mode: larger request bodies on plugin routes are refused (HTTP 413).",

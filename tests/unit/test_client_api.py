@@ -184,3 +184,63 @@ def test_tokenless_results_read_their_tokens_from_the_choice(ahead):
     assert "tokens" not in other and _decode(other, pybase64.b64decode(other["data"]), {}).token_ids == r.token_ids
     # the choice missing at the client: said, not guessed
     assert not _decode(entry, pybase64.b64decode(entry["data"]), {}).ok
+
+
+def test_result_store_keeps_files_for_local_clients(tmp_path):
+    """`ResultStore.put(local=True)` keeps a result as a 0600 file named for its handle: HTTP
+    reads of it read the file; pop, delete, expiry and eviction remove it; a file that cannot
+    be written leaves the bytes in memory. Files of a server that died are swept at start."""
+    import os
+
+    from vllm_hook.server.store import LOCAL_PREFIX, ResultStore
+
+    now = [0.0]
+    store = ResultStore(100, 10, clock=lambda: now[0], local_dir=str(tmp_path))
+    h = store.put(b"x" * 40, local=True)
+    path = store.path(h)
+    assert path and os.path.basename(path) == f"{LOCAL_PREFIX}{os.getpid()}-{h}"
+    assert os.stat(path).st_mode & 0o777 == 0o600 and open(path, "rb").read() == b"x" * 40
+    assert store.get(h) == b"x" * 40 and store.stats().local == 1 and store.stats().bytes == 40
+    assert store.pop(h) == b"x" * 40 and not os.path.exists(path) and store.stats().bytes == 0
+    # delete, eviction (oldest first) and expiry remove the files too
+    a, b = store.put(b"a" * 60, local=True), store.put(b"b" * 30, local=True)
+    pa, pb = store.path(a), store.path(b)
+    assert store.delete(b) and not os.path.exists(pb) and not store.delete(b)
+    c = store.put(b"c" * 50, local=True)                      # 60 + 50 > 100: a goes
+    assert store.get(a) is None and not os.path.exists(pa) and store.stats().dropped == 1
+    now[0] = 11
+    pc = store.path(c)
+    assert store.get(c) is None and not os.path.exists(pc)
+    # not local: in memory, no path
+    d = store.put(b"d" * 10)
+    assert store.path(d) is None and store.get(d) == b"d" * 10
+    # a directory it cannot write: in memory
+    ro = ResultStore(100, 10, local_dir=str(tmp_path / "missing"))
+    e = ro.put(b"e" * 10, local=True)
+    assert ro.local_dir is None and ro.path(e) is None and ro.get(e) == b"e" * 10
+    # a dead server's files are swept, a live one's kept
+    dead = tmp_path / f"{LOCAL_PREFIX}999999999-zz"
+    mine = tmp_path / f"{LOCAL_PREFIX}{os.getpid()}-yy"
+    dead.write_bytes(b"1")
+    mine.write_bytes(b"1")
+    ResultStore(100, 10, local_dir=str(tmp_path))
+    assert not dead.exists() and mine.exists()
+
+
+def test_client_reads_only_its_result_files(tmp_path):
+    """The client reads an entry's file only where it is a result file of that entry's handle
+    (an absolute path), of the entry's size; anything else is fetched by handle."""
+    from vllm_hook import client as client_mod
+    from vllm_hook.server.store import LOCAL_PREFIX
+
+    good = tmp_path / f"{LOCAL_PREFIX}12-hdl"
+    good.write_bytes(b"abc")
+    entry = {"handle": "hdl", "local": str(good), "bytes": 3, "data": None}
+    assert client_mod._read_local(entry) == b"abc"
+    datas, fetch, release = client_mod._plan([entry, {"handle": "h2", "data": None}])
+    assert datas[0] == b"abc" and fetch == [1] and release == ["hdl"]
+    other = tmp_path / "secret-hdl"
+    other.write_bytes(b"abc")
+    for bad in ({**entry, "bytes": 4}, {**entry, "handle": "other"}, {**entry, "local": str(other)},
+                {**entry, "local": f"{LOCAL_PREFIX}12-hdl"}, {**entry, "local": str(tmp_path / f"{LOCAL_PREFIX}1-hdl")}):
+        assert client_mod._read_local(bad) is None

@@ -66,7 +66,8 @@ def served_of(engine_client: Any) -> Served:
     sv = engine_client.__dict__.get(SERVED_ATTR)
     if sv is None:
         st = state_of(engine_client.input_processor)
-        sv = Served(st, ResultStore(st.cfg.max_retained_bytes, st.cfg.result_ttl_s))
+        sv = Served(st, ResultStore(st.cfg.max_retained_bytes, st.cfg.result_ttl_s,
+                                     local_dir=st.cfg.result_spill_dir if st.cfg.local_results else None))
         engine_client.__dict__[SERVED_ATTR] = sv
     return sv
 
@@ -242,7 +243,7 @@ def _error(serving: Any, err: SpecError):
 
 def _accepted(raw_request: Any) -> frozenset[bytes]:
     """What the HTTP client says it reads (`encode.ACCEPT_HEADER`, a comma-separated list:
-    "tokens", "stacked", "tokenless"; every such header, any case); empty without one."""
+    "tokens", "stacked", "tokenless", "local"; every such header, any case); empty without one."""
     # The ASGI scope's raw headers (lower-case names): starlette's Headers.get walks them
     # through Mapping's generic get, several µs a request.
     scope = getattr(raw_request, "scope", None)
@@ -256,13 +257,14 @@ def _accepted(raw_request: Any) -> frozenset[bytes]:
 _ACCEPT, _NONE = encode.ACCEPT_HEADER.encode("latin-1"), frozenset()
 _TOKENS, _STACKED = encode.TOKENS.encode("latin-1"), encode.STACKED.encode("latin-1")
 _TOKENLESS = encode.TOKENLESS.encode("latin-1")
+_LOCAL = encode.LOCAL.encode("latin-1")
 
 
 async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked: bool = False,
-                  tokenless: bool = False) -> dict:
+                  tokenless: bool = False, local: bool = False) -> dict:
     """The `"vllm_hook"` field; `response`: the non-streamed response whose choices show
     their tokens, for a client that reads "tokens" entries (else None); `stacked`: the client
-    reads stacked sites; `tokenless`: tokenless safetensors."""
+    reads stacked sites; `tokenless`: tokenless safetensors; `local`: files it reads itself."""
     sv = served_of(serving.engine_client)
     # Serialising large captures is CPU work: off the event loop, on one thread of our own (a
     # batch's large results queued in the default pool held back vLLM's own work there, and
@@ -274,10 +276,10 @@ async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked
     shown = (encode.shown_tokens(response) if response is not None and (tokenless or encode.any_tokens_only(sink))
              else None)
     if encode.nbytes(sink) < encode.ON_LOOP_BELOW:
-        body = encode.payload(sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless)
+        body = encode.payload(sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless, local)
     else:
         body = await asyncio.get_running_loop().run_in_executor(
-            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless)
+            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless, local)
     sv.frontend.timing["encode_s"] += time.perf_counter() - t0
     return body
 
@@ -306,7 +308,8 @@ async def _relay(serving: Any, first: str | None, stream, sink: encode.Sink, raw
                     # uvicorn drops sends to a closed connection silently: results kept by
                     # handle now would wait for a client that left until result_ttl_s.
                     return
-                body = await _encode(serving, sink, stacked=_STACKED in _accepted(raw_request))
+                accepted = _accepted(raw_request)
+                body = await _encode(serving, sink, stacked=_STACKED in accepted, local=_LOCAL in accepted)
                 try:
                     yield encode.stream_chunk(meta, body)
                 except BaseException:     # closed at the last event: nobody gets the handles
@@ -381,7 +384,7 @@ def _create(orig):
             # (put in their dict directly: pydantic's __setattr__ is a few µs a request).
             accepted = _accepted(raw_request)
             body = await _encode(self, sink, result if _TOKENS in accepted else None, _STACKED in accepted,
-                                 _TOKENLESS in accepted)
+                                 _TOKENLESS in accepted, _LOCAL in accepted)
             extra = getattr(result, "__pydantic_extra__", None)
             if isinstance(extra, dict):
                 extra[encode.FIELD] = body

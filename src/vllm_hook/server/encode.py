@@ -29,8 +29,11 @@ STACKED = "stacked"      # a site's layers as one tensor (`Results.to_bytes(stac
 # response shows them (`Results.to_bytes(tokens=False)`; such bytes may be made early, `Ready`)
 TOKENLESS = "tokenless"
 CHOICE = "choice"
+# Results too large to inline as files the client reads itself (`ResultStore.put(local=True)`):
+# the entry's "local" is the file's path (the handle stays the way over HTTP).
+LOCAL = "local"
 # A request header by which a client says what it reads beyond per-layer safetensors: "tokens"
-# entries, "stacked" sites, "tokenless" safetensors (older clients read none).
+# entries, "stacked" sites, "tokenless" safetensors, "local" files (older clients read none).
 ACCEPT_HEADER = "x-vllm-hook-accept"
 STREAM_OBJECT = "vllm_hook.results"
 FIELD = "vllm_hook"      # the response's field (non-streamed) and the stream event's
@@ -172,7 +175,7 @@ def _shows(r: Results, shown: tuple[list, list] | None) -> bool:
 
 def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
                shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False,
-               tokenless: bool = False) -> dict[str, Any]:
+               tokenless: bool = False, local: bool = False) -> dict[str, Any]:
     if shown is not None and bare(r, shown.get(index)):
         # `meta`: what the tokens do not tell (its "index" is the Results' own: the child of
         # an n > 1 request; the entry's is the response's choice)
@@ -193,7 +196,10 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
         # SIMD base64 (a vLLM dependency): 15 KB in 1 µs, the standard library's 22 µs
         entry["data"] = pybase64.b64encode_as_string(data)
     else:
-        entry["handle"] = store.put(data)
+        entry["handle"] = store.put(data, local=local and cfg.local_results)
+        path = store.path(entry["handle"]) if local and entry["handle"] else None
+        if path:
+            entry[LOCAL] = path
         if entry["handle"] is None:
             entry["errors"].append(
                 f"results of {len(data)} bytes exceed max_retained_bytes={store.max_bytes} and "
@@ -204,19 +210,21 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
 
 def payload(sink: Sink, store: ResultStore, cfg: HookConfig,
             shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False,
-            tokenless: bool = False) -> dict[str, Any]:
+            tokenless: bool = False, local: bool = False) -> dict[str, Any]:
     """The `"vllm_hook"` field. `index` is the response's choice index (prompt * n + child).
     `shown`: the token ids (prompt's, generated) the response shows for each choice index
     (`shown_tokens`), for a client that reads "tokens" entries; None: safetensors only
     (a stream, whose results event stands alone, or another client). `stacked`: the client
-    reads stacked sites; `tokenless`: tokenless safetensors (with `shown`)."""
+    reads stacked sites; `tokenless`: tokenless safetensors (with `shown`); `local`: the
+    client reads files (`LOCAL`)."""
     entries = []
     for slot, got in enumerate(sink.slots):
         if got is None:
             continue
         group = got if isinstance(got, list) else [got]
         for r in group:
-            entries.append(encode_one(r, slot * len(group) + r.index, store, cfg, shown, stacked, tokenless))
+            entries.append(encode_one(r, slot * len(group) + r.index, store, cfg, shown, stacked, tokenless,
+                                      local))
     return {"results": sorted(entries, key=lambda e: e["index"])}
 
 

@@ -8,6 +8,8 @@ guards every `/v1` path).
     GET    /v1/hook/results/{handle}   safetensors bytes of a result too large to inline
                                        (`?delete=true`: and deleted, one round trip)
     DELETE /v1/hook/results/{handle}
+    POST   /v1/hook/results/release    {"handles": [...]}: results a client read from their
+                                       files (`"local"` entries), deleted in one round trip
     POST   /v1/hook/hooks/register     {"hooks": [{"name": ..., "args": {...}} | {"pickle": ...}]}
     GET    /v1/hook/hooks/collect      persistent-hook results, base64 safetensors
     POST   /v1/hook/hooks/clear_results
@@ -80,7 +82,8 @@ async def health(request: Request):
         "sites": list(cfg.sites),
         "frontend": sv.frontend.counters(),
         "retained_results": {"count": st.count, "bytes": st.bytes, "max_bytes": st.max_bytes,
-                             "ttl_s": st.ttl_s, "dropped": st.dropped},
+                             "ttl_s": st.ttl_s, "dropped": st.dropped, "as_files": st.local,
+                             "files_dir": sv.store.local_dir if cfg.local_results else None},
         "pending_requests": len(sv.frontend.pending),
         "held_results": _held(engine),
         "vectors": sorted(sv.frontend.names),
@@ -177,6 +180,26 @@ async def delete_result(handle: str, request: Request):
     if not sv.store.delete(handle):
         return _fail(f"no retained result {handle!r}", 404, "NotFoundError")
     return {"deleted": handle}
+
+
+MAX_RELEASE = 4096     # handles per release call
+
+
+@router.post("/results/release")
+async def release_results(request: Request):
+    engine, sv = _served(request)
+    if engine is None:
+        return _no_engine()
+    try:
+        body = await _json_body(request)
+    except SpecError as e:
+        return _spec_failure(e)
+    handles = body.get("handles") if isinstance(body, dict) else None
+    if not isinstance(handles, list) or not all(isinstance(h, str) for h in handles):
+        return _fail('send {"handles": [handle, ...]}: a list of result handles', 400, "BadRequestError")
+    if len(handles) > MAX_RELEASE:
+        return _fail(f"{len(handles)} handles: at most {MAX_RELEASE} per call", 400, "BadRequestError")
+    return {"released": sum(sv.store.delete(h) for h in handles)}
 
 
 async def _json_body(request: Request) -> Any:
