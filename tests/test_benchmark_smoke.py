@@ -95,6 +95,17 @@ def test_uva_probe_smoke(tmp_path):
     assert all(got["regions_equal"].values()) and got["host_join_float32_us_per_request"] > 0
 
 
+def test_served_delivery_benchmark_smoke(tmp_path):
+    """benchmarks/served_delivery.py (issue 17): the plugin's routes and store in a uvicorn
+    process, results read by `AsyncClient` from their files and over HTTP (it asserts each
+    comes back whole, and that the entries say "local" only where asked)."""
+    out = tmp_path / "sd.json"
+    _script("served_delivery.py", "--results", "4", "--rows", "16", "--hidden", "64", "--rounds", "1",
+            "--out", out, timeout=300)
+    got = json.loads(out.read_text())
+    assert got["from_files"]["wall_ms_per_result"] > 0 and got["over_http"]["wall_ms_per_result"] > 0
+
+
 def test_served_throughput_benchmark_smoke(tmp_path, engines):
     """benchmarks/throughput_served.py (issue 17): a native and a plugin `vllm serve`, each rep
     native, plugin, native, plugin."""

@@ -189,7 +189,7 @@ def test_tokenless_results_read_their_tokens_from_the_choice(ahead):
 def test_result_store_keeps_files_for_local_clients(tmp_path):
     """`ResultStore.put(local=True)` keeps a result as a 0600 file named for its handle: HTTP
     reads of it read the file; pop, delete, expiry and eviction remove it; a file that cannot
-    be written leaves the bytes in memory. Files of a server that died are swept at start."""
+    be written leaves the bytes in memory. Files older than the TTL are swept at start."""
     import os
 
     from vllm_hook.server.store import LOCAL_PREFIX, ResultStore
@@ -218,13 +218,13 @@ def test_result_store_keeps_files_for_local_clients(tmp_path):
     ro = ResultStore(100, 10, local_dir=str(tmp_path / "missing"))
     e = ro.put(b"e" * 10, local=True)
     assert ro.local_dir is None and ro.path(e) is None and ro.get(e) == b"e" * 10
-    # a dead server's files are swept, a live one's kept
-    dead = tmp_path / f"{LOCAL_PREFIX}999999999-zz"
-    mine = tmp_path / f"{LOCAL_PREFIX}{os.getpid()}-yy"
-    dead.write_bytes(b"1")
-    mine.write_bytes(b"1")
+    # files older than the TTL (a crashed server's) are swept at start, newer ones kept
+    old, new = tmp_path / f"{LOCAL_PREFIX}999999999-zz", tmp_path / f"{LOCAL_PREFIX}999999999-yy"
+    old.write_bytes(b"1")
+    new.write_bytes(b"1")
+    os.utime(old, (0, 0))
     ResultStore(100, 10, local_dir=str(tmp_path))
-    assert not dead.exists() and mine.exists()
+    assert not old.exists() and new.exists()
 
 
 def test_client_reads_only_its_result_files(tmp_path):

@@ -49,7 +49,7 @@ class ResultStore:
         self._lock = threading.Lock()  # puts may come from encoding threads
         self.local_dir = local_dir if local_dir and os.access(local_dir, os.W_OK) else None
         if self.local_dir is not None:
-            _sweep_dead(self.local_dir)
+            _sweep_expired(self.local_dir, ttl_s)
             # Files left at exit would hold shared memory until the host reboots.
             atexit.register(_unlink_all, weakref.ref(self))
 
@@ -167,13 +167,19 @@ def _unlink_all(ref: weakref.ref) -> None:
             _unlink(p)
 
 
-def _sweep_dead(directory: str) -> None:
-    """Remove result files of servers no longer running (a crash skips `atexit`)."""
+def _sweep_expired(directory: str, ttl_s: float) -> None:
+    """Remove result files older than `ttl_s`: a crashed server's (it skips `atexit`). Not by
+    whether their server runs: servers in containers sharing /dev/shm (`--ipc=host`) do not
+    see each other's pids, and a live server's files expire within `ttl_s` anyway."""
     try:
         names = [n for n in os.listdir(directory) if n.startswith(LOCAL_PREFIX)]
     except OSError:
         return
+    now = time.time()
     for name in names:
-        pid = name[len(LOCAL_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
-            _unlink(os.path.join(directory, name))
+        path = os.path.join(directory, name)
+        try:
+            if now - os.stat(path).st_mtime > ttl_s:
+                os.unlink(path)
+        except OSError:
+            pass

@@ -1,0 +1,145 @@
+"""A served client's cost to receive large results: by handle over HTTP against from their files.
+
+    python benchmarks/served_delivery.py [--results 85] [--rounds 5] [--out FILE]
+
+The served mixed batch at 256 x 128 + 128 (run 154) returns 85 results of every prompt and
+generated token at 4 layers (3.1 MB of bf16 each, 6.3 MB of float32 in the user's hands), all
+kept by handle, and its client's CPU time was most of the batch's extra time. This times that
+delivery alone on this host, with the plugin's own pieces: a server process (uvicorn) with the
+plugin's routes (`server.routes`) and result store (`server.store`), the results encoded as
+the API server encodes them (`server.encode.encode_one`), and `vllm_hook.AsyncClient` turning a
+response's entries into `Results` (`results_of`): with `local_results` (read from their files,
+released in one call) and without (one GET each, `?delete=true`), alternating, medians of
+`--rounds`. Reports the client's wall and CPU time per result; the server's part (encoding,
+writing the files) happens before the response and is not in these figures. No engine, no
+model: the rows are random. A smoke test runs it in CI with small sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fastapi import Request  # module level: the route's annotation is resolved here
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
+
+
+def serve(port: int, rows: int, hidden: int) -> None:
+    """The server process: the plugin's routes, and POST /bench/make?n=&local= that encodes
+    n results into the store as the API server does and returns their entries."""
+    import torch
+    import uvicorn
+    from fastapi import FastAPI
+
+    from vllm_hook.adapters.server import SERVED_ATTR, Served
+    from vllm_hook.config import HookConfig
+    from vllm_hook.results import Results
+    from vllm_hook.server import encode
+    from vllm_hook.server.routes import router
+    from vllm_hook.server.store import ResultStore
+
+    cfg = HookConfig(max_inline_result_bytes=0)         # every result by handle, whatever its size
+    store = ResultStore(cfg.max_retained_bytes, cfg.result_ttl_s, local_dir=cfg.result_spill_dir)
+    engine = type("Engine", (), {})()
+    engine.__dict__[SERVED_ATTR] = Served(None, store)
+    r = Results(request_id="cmpl-0", prompt_len=rows // 2, token_ids=list(range(rows + 1)), model="m")
+    for layer in (4, 9, 16, 26):
+        r.activations.setdefault("resid_post", {})[layer] = torch.randn(rows, hidden).to(torch.bfloat16)
+        r.positions.setdefault("resid_post", {})[layer] = torch.arange(rows)
+    r.widen_to = "float32"
+    app = FastAPI()
+    app.state.engine_client = engine
+    app.include_router(router)
+
+    @app.post("/bench/make")
+    async def make(request: Request):
+        q = request.query_params
+        n, local = int(q["n"]), q["local"] == "1"
+        return {"vllm_hook": {"results": [encode.encode_one(r, i, store, cfg, stacked=True, local=local)
+                                          for i in range(n)]}}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+async def measure(url: str, n: int, rounds: int) -> dict:
+    import httpx
+
+    from vllm_hook import AsyncClient
+
+    out: dict = {}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        for _ in range(rounds + 1):                # the first round warms up, untimed
+            for local in (True, False):
+                r = await http.post(f"/bench/make?n={n}&local={int(local)}")
+                assert r.status_code == 200, r.text[:2000]
+                resp = r.json()
+                assert all(bool(e.get("local")) is local and e["handle"] for e in resp["vllm_hook"]["results"])
+                client = AsyncClient(url, http=http, local_results=local)
+                t, c = time.perf_counter(), time.process_time()
+                got = await client.results_of(resp)
+                wall, cpu = time.perf_counter() - t, time.process_time() - c
+                assert len(got) == n and all(g.ok and g.activations["resid_post"][4].dtype.is_floating_point
+                                             for g in got)
+                out.setdefault(local, []).append((wall, cpu))
+                del got
+    res = {}
+    for local, runs in out.items():
+        runs = runs[1:]
+        key = "from_files" if local else "over_http"
+        res[key] = {"wall_ms_per_result": round(1e3 * statistics.median(w for w, _ in runs) / n, 3),
+                    "client_cpu_ms_per_result": round(1e3 * statistics.median(c for _, c in runs) / n, 3)}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=int, default=85)
+    ap.add_argument("--rows", type=int, default=256, help="rows per layer (prompt + generated)")
+    ap.add_argument("--hidden", type=int, default=1536)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out")
+    ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        serve(args.serve, args.rows, args.hidden)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--rows", str(args.rows),
+                             "--hidden", str(args.hidden)])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        import httpx
+
+        for _ in range(300):
+            try:
+                httpx.get(f"{url}/docs", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        from run import host_probe
+
+        res = {"results": args.results, "rows": args.rows, "hidden": args.hidden,
+               "mb_per_result_bf16": round(4 * args.rows * args.hidden * 2 / 1e6, 2), "rounds": args.rounds,
+               **asyncio.run(measure(url, args.results, args.rounds)), "host": host_probe(), "cpus": os.cpu_count()}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    print(json.dumps(res, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
