@@ -812,7 +812,7 @@ def test_routes_attach_once():
     assert plugin.name == "vllm_hook_routes"
     plugin.attach_router(app)
     hook_routes = [r for r in app.routes if getattr(r, "path", "").startswith("/v1/hook/")]
-    assert len(hook_routes) == 11          # 6 for vectors, results, health; 5 for hooks
+    assert len(hook_routes) == 12          # 7 for vectors, results, health; 5 for hooks
     assert sum(m.cls.__name__ == "BodyLimit" for m in app.user_middleware) == 1
 
 

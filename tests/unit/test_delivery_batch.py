@@ -738,6 +738,28 @@ def test_host_memory_is_reused_once_no_tensor_views_it(monkeypatch):
     assert len(rec.lent) < 64 and kept.numel() == 4 << 20
 
 
+def test_idle_mappings_of_a_workload_no_longer_run_give_way(monkeypatch):
+    """Idle mappings over `keep` are unmapped longest idle first, so the sizes of a workload
+    no longer run do not hold the room for good: after float32-sized results, bf16-sized ones
+    (half the size, which the float32 mappings do not fit within twice) are reused from their
+    second batch on (run 153: 254 page faults a request every batch)."""
+    from vllm_hook.delivery import hostmem
+
+    rec = hostmem.Recycler(keep=60 << 20)
+    monkeypatch.setattr(hostmem, "RECYCLER", rec)
+    wide = [hostmem.host_empty((16 << 20,), torch.uint8) for _ in range(3)]
+    del wide
+    rec.take(1 << 40)                                           # reap: three idle, 54 MiB
+    assert rec.idle_bytes == 3 * (18 << 20)
+    narrow = [hostmem.host_empty((4 << 20,), torch.uint8) for _ in range(3)]   # fresh: none fits
+    ptrs = {t.data_ptr() for t in narrow}
+    del narrow
+    rec.take(1 << 40)
+    assert rec.idle_bytes <= 60 << 20 and len(rec.idle.get(6 << 20, ())) == 3, rec.idle.keys()
+    again = [hostmem.host_empty((4 << 20,), torch.uint8) for _ in range(3)]
+    assert {t.data_ptr() for t in again} == ptrs                # reused
+
+
 def test_host_memory_for_the_next_batch_is_readied_in_the_background(monkeypatch):
     """A user keeping a batch's outputs while the next one runs frees them only after the
     next batch's results are built: `refill_soon` (after each delivery) maps and faults in
@@ -754,7 +776,7 @@ def test_host_memory_for_the_next_batch_is_readied_in_the_background(monkeypatch
     hostmem._filler().submit(lambda: None).result()           # the fill is done
     assert rec.refills == 2 and rec.idle_bytes == (3 << 20) + (8 << 20)
     ready = {m_ptr for m_ptr in (torch.frombuffer(m, dtype=torch.uint8).data_ptr()
-                                 for ms in rec.idle.values() for m in ms)}
+                                 for ms in rec.idle.values() for _, m in ms)}
     second = [hostmem.host_empty((3 << 20,), torch.uint8), hostmem.host_empty((6 << 20,), torch.uint8)]
     assert second[0].data_ptr() in ready and rec.idle_bytes == 0
     second[0].fill_(1)

@@ -80,7 +80,7 @@ class Recycler:
     Results; a payload was parsed): a later tensor of a like size reuses their pages instead
     of faulting in fresh ones, each of which the kernel zeroes first (6 MiB of float32 rows
     took 722 µs into fresh memory, 90 into reused, on the H200 host: run 67). Idle mappings
-    up to `keep` bytes; the rest are unmapped.
+    up to `keep` bytes; beyond it, those idle longest are unmapped.
 
     A user who keeps a batch's outputs while the next batch runs (`outs = llm.generate(...)`
     in a loop) frees them only after the next batch's results are built, so those would
@@ -92,8 +92,9 @@ class Recycler:
     def __init__(self, keep: int = KEEP_IDLE_BYTES):
         self.keep = keep
         self.lent: deque[tuple[mmap.mmap, StorageWeakRef]] = deque()
-        self.idle: dict[int, list[mmap.mmap]] = {}     # by size
+        self.idle: dict[int, list[tuple[int, mmap.mmap]]] = {}     # by size: (when idled, mapping)
         self.idle_bytes = 0
+        self._tick = 0
         self.taken: dict[tuple[int, bool], int] = {}   # (size, huge) -> count since refill_soon
         self.refills = 0                               # mappings readied in the background
         self._scan_at = 64
@@ -110,7 +111,7 @@ class Recycler:
             if not fits:
                 return None
             n = min(fits)
-            m = self.idle[n].pop()
+            _, m = self.idle[n].pop()
             if not self.idle[n]:
                 del self.idle[n]
             self.idle_bytes -= n
@@ -146,8 +147,7 @@ class Recycler:
                     raw[start:start + size - (HUGE if huge else 0)].zero_()
                     del raw
                     with self._lock:
-                        self.idle.setdefault(size, []).append(m)
-                        self.idle_bytes += size
+                        self._add_idle(size, m)
                         self.refills += 1
         finally:
             self._filling = False
@@ -170,15 +170,34 @@ class Recycler:
             self._idle(self.lent.popleft()[0])
 
     def _idle(self, m: mmap.mmap) -> None:
+        """Keep `m` idle, making room by unmapping the mappings idle longest: the sizes of a
+        workload no longer run would otherwise hold the room for good (run 153: after batches
+        of float32 results, the same batch's bf16 results faulted in fresh pages every time,
+        254 faults a request)."""
         n = len(m)
-        if self.idle_bytes + n > self.keep:
-            try:
-                m.close()
-            except BufferError:        # viewed after all: unmapped with its last view
-                pass
+        if n > self.keep:
+            _close(m)
             return
-        self.idle.setdefault(n, []).append(m)
+        while self.idle_bytes + n > self.keep:
+            size = min(self.idle, key=lambda k: self.idle[k][0][0])
+            _, old = self.idle[size].pop(0)
+            if not self.idle[size]:
+                del self.idle[size]
+            self.idle_bytes -= size
+            _close(old)
+        self._add_idle(n, m)
+
+    def _add_idle(self, n: int, m: mmap.mmap) -> None:
+        self.idle.setdefault(n, []).append((self._tick, m))      # each size's list oldest first
+        self._tick += 1
         self.idle_bytes += n
+
+
+def _close(m: mmap.mmap) -> None:
+    try:
+        m.close()
+    except BufferError:        # viewed after all: unmapped with its last view
+        pass
 
 
 _filler_pool: ThreadPoolExecutor | None = None
