@@ -233,7 +233,7 @@ def report(result: dict) -> str:
     lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
              f"wall {m.get('wall_s', 0):.0f} s; served (`vllm serve`, results inline up to "
              f"{m.get('inline_bytes') or 'the default 1 MiB'} bytes, larger by handle, "
-             f"{'read from their files' if m.get('local_results', True) else 'fetched over HTTP'}). Ratios: median "
+             f"{'read from their files' if m.get('local_results', False) else 'fetched over HTTP'}). Ratios: median "
              "[95 % bootstrap interval] over reps. " + host_line(m), "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
              "unhooked vs native | second native vs native | native, requests/s | results delivered (MB) | "

@@ -104,6 +104,7 @@ def test_served_delivery_benchmark_smoke(tmp_path):
             "--out", out, timeout=300)
     got = json.loads(out.read_text())
     assert got["from_files"]["wall_ms_per_result"] > 0 and got["over_http"]["wall_ms_per_result"] > 0
+    assert got["from_files"]["offered_as_files"] == 4
 
 
 def test_served_throughput_benchmark_smoke(tmp_path, engines):

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
 import json
 import os
+import stat
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -32,7 +34,7 @@ from .hooks.hook import Hook
 from .hooks.state import decode_collected
 from .results import Results
 from .server.encode import ACCEPT_HEADER, CHOICE, LOCAL, STACKED, TOKENLESS, TOKENS, shown_tokens
-from .server.store import LOCAL_PREFIX
+from .server.store import LOCAL_PREFIX, MAX_RELEASE
 from .spec.errors import SpecError, UnknownVectorError
 from .spec.schema import SPEC_KEY, HookSpec
 from .spec.vectors import encode_vector
@@ -234,27 +236,37 @@ def _entries(response: Any) -> list[dict]:
 def _read_local(entry: dict) -> bytes | None:
     """The bytes of an entry kept as a file (`"local"`: `server.store`), read here where this
     process is on the server's host and may read it; None otherwise (then it is fetched by
-    handle). Only a result file of that handle is read, whatever path a server names."""
-    path, handle = entry.get(LOCAL), entry.get("handle")
-    if not (isinstance(path, str) and isinstance(handle, str) and os.path.isabs(path)
-            and os.path.basename(path).startswith(LOCAL_PREFIX) and path.endswith(f"-{handle}")):
+    handle). Whatever path a server names, only a regular file named as the server names
+    result files, of the entry's size, is read (no link followed, no FIFO waited on)."""
+    path, size = entry.get(LOCAL), entry.get("bytes")
+    if not (isinstance(path, str) and os.path.isabs(path) and os.path.basename(path).startswith(LOCAL_PREFIX)
+            and isinstance(size, int)):
         return None
     try:
-        with open(path, "rb", buffering=0) as f:
-            data = f.read()
-    except OSError:                  # another host, or another user's server
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError):    # another host or user's server; a NUL in the path
         return None
-    return data if len(data) == entry.get("bytes") else None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return None
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+            data = f.read()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) == size else None
 
 
-def _plan(entries: list[dict]) -> tuple[list[bytes | None], list[int], list[str]]:
-    """Each entry's bytes where it has them (inline, or a file read here), the entries to
-    fetch by handle, and the handles read from files (to release on the server)."""
+def _plan(entries: list[dict], local: bool) -> tuple[list[bytes | None], list[int], list[str]]:
+    """Each entry's bytes where it has them (inline, or with `local` a file read here), the
+    entries to fetch by handle, and the handles read from files (to release on the server)."""
     datas = [_inline(e) for e in entries]
     fetch, release = [], []
     for i, e in enumerate(entries):
         if datas[i] is None and e.get("handle"):
-            datas[i] = _read_local(e)
+            datas[i] = _read_local(e) if local else None
             if datas[i] is None:
                 fetch.append(i)
             else:
@@ -265,10 +277,35 @@ def _plan(entries: list[dict]) -> tuple[list[bytes | None], list[int], list[str]
 RELEASE_PATH = "/v1/hook/results/release"
 
 
-def _released_badly(e: Exception) -> None:
-    # The results are read; the server drops the files after result_ttl_s anyway.
-    warnings.warn(f"vllm-hook: releasing results read from files failed ({e}); the server keeps "
-                  "them until result_ttl_s", RuntimeWarning, stacklevel=3)
+def _releases(release: list[str]) -> list[dict]:
+    """The release calls' bodies for `release`, at most MAX_RELEASE handles each."""
+    return [{"handles": release[at:at + MAX_RELEASE]} for at in range(0, len(release), MAX_RELEASE)]
+
+
+def _released(body: dict, resp: httpx.Response | Exception) -> None:
+    # The results are read; the server drops the files after result_ttl_s anyway, so a
+    # release that failed is a warning, not the caller's error.
+    if isinstance(resp, Exception):
+        why = str(resp)
+    else:
+        got = msgspec.json.decode(resp.content).get("released")
+        if got == len(body["handles"]):
+            return
+        why = f"{got} of {len(body['handles'])} released (another API server process?)"
+    warnings.warn(f"vllm-hook: releasing results read from files: {why}; the server keeps the "
+                  "rest until result_ttl_s", RuntimeWarning, stacklevel=4)
+
+
+def _loopback(url: httpx.URL) -> bool:
+    """Whether `url` names this host's loopback interface (where `local_results=None` asks
+    for files: a client elsewhere could not open them, and they cost the server a write)."""
+    host = url.host
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _fetch_path(handle: str) -> str:
@@ -401,6 +438,10 @@ class _Core:
     """What `Client` and `AsyncClient` share beyond the module's functions."""
 
     local_results: bool
+    _http: Any
+
+    def _local(self, local_results: bool | None) -> bool:
+        return _loopback(self._http.base_url) if local_results is None else bool(local_results)
 
     def _completion(self, body: dict) -> dict:
         """httpx arguments of a completion or chat request (`_as_json`)."""
@@ -410,17 +451,17 @@ class _Core:
 class Client(_Core):
     """Synchronous client. `base_url` with or without `/v1`; `model` defaults to the first
     served model. `local_results`: results too large to inline are read from their files
-    (the server's `local_results`, in its `result_spill_dir`) where this process runs on the
-    server's host and may read them, then released; fetched by handle otherwise, or always
-    when False."""
+    (the server's `local_results`, in its `result_spill_dir`) where this process can open them,
+    then released, and fetched by handle otherwise; asked for with True, never with False, and
+    by default (None) where `base_url` is this host's loopback address."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
                  model: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 http: httpx.Client | None = None, local_results: bool = True):
+                 http: httpx.Client | None = None, local_results: bool | None = None):
         self.model = model
-        self.local_results = local_results
         self._http = http or httpx.Client(base_url=_base_url(base_url), headers=_headers(api_key),
                                           timeout=timeout)
+        self.local_results = self._local(local_results)
 
     def __enter__(self) -> "Client":
         return self
@@ -489,14 +530,14 @@ class Client(_Core):
 
     def _pairs(self, response: Any) -> list[tuple[int, Results]]:
         entries = _entries(response)
-        datas, fetch, release = _plan(entries)
+        datas, fetch, release = _plan(entries, self.local_results)
+        for body in _releases(release):     # first: a fetch that fails must not keep them
+            try:
+                _released(body, self._call("POST", RELEASE_PATH, **_as_json(body)))
+            except (httpx.HTTPError, ServerError) as e:
+                _released(body, e)
         for i in fetch:
             datas[i] = self._call("GET", _fetch_path(entries[i]["handle"])).content
-        if release:
-            try:
-                self._call("POST", RELEASE_PATH, **_as_json({"handles": release}))
-            except (httpx.HTTPError, ServerError) as e:
-                _released_badly(e)
         choices = _choices_for(entries, response)
         return [(e["index"], _decode(e, d, choices)) for e, d in zip(entries, datas)]
 
@@ -540,11 +581,11 @@ class AsyncClient(_Core):
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
                  model: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 http: httpx.AsyncClient | None = None, local_results: bool = True):
+                 http: httpx.AsyncClient | None = None, local_results: bool | None = None):
         self.model = model
-        self.local_results = local_results
         self._http = http or httpx.AsyncClient(base_url=_base_url(base_url), headers=_headers(api_key),
                                                timeout=timeout, limits=ASYNC_LIMITS)
+        self.local_results = self._local(local_results)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -610,16 +651,16 @@ class AsyncClient(_Core):
         # Only results kept by handle and not read from their files need a round trip (those
         # at once); inline ones are decoded here, without a task each: a batch's responses all
         # arrive at its last step.
-        datas, fetch, release = _plan(entries)
+        datas, fetch, release = _plan(entries, self.local_results)
+        for body in _releases(release):     # first: a fetch that fails must not keep them
+            try:
+                _released(body, await self._call("POST", RELEASE_PATH, **_as_json(body)))
+            except (httpx.HTTPError, ServerError) as e:
+                _released(body, e)
         if fetch:
             got = await asyncio.gather(*(self._call("GET", _fetch_path(entries[i]["handle"])) for i in fetch))
             for i, resp in zip(fetch, got):
                 datas[i] = resp.content
-        if release:
-            try:
-                await self._call("POST", RELEASE_PATH, **_as_json({"handles": release}))
-            except (httpx.HTTPError, ServerError) as e:
-                _released_badly(e)
         choices = _choices_for(entries, response)
         return [(e["index"], _decode(e, d, choices)) for e, d in zip(entries, datas)]
 

@@ -158,9 +158,10 @@ class HookConfig(BaseModel):
     local_results: bool = Field(
         default=True,
         description="Served mode: a client that asks for it (`vllm_hook.Client` and `AsyncClient` "
-        "do) gets results too large to inline as files in /dev/shm (mode 0600), which it reads "
-        "where it runs on the server's host, and fetches by handle otherwise; they count toward "
-        "max_retained_bytes. Off: by handle only.",
+        "do, by default for a server at a loopback address) gets results too large to inline as "
+        "files in result_spill_dir (mode 0600), which it reads where it can open them, and "
+        "fetches by handle otherwise; they count toward max_retained_bytes. Off, or "
+        "result_spill_dir null: by handle only.",
     )
     max_request_bytes: int = Field(
         default=64 << 20, ge=1024,

@@ -189,8 +189,9 @@ def test_tokenless_results_read_their_tokens_from_the_choice(ahead):
 def test_result_store_keeps_files_for_local_clients(tmp_path):
     """`ResultStore.put(local=True)` keeps a result as a 0600 file named for its handle: HTTP
     reads of it read the file; pop, delete, expiry and eviction remove it; a file that cannot
-    be written leaves the bytes in memory. Files older than the TTL are swept at start."""
+    be written leaves the bytes in memory. Expired files are swept at start."""
     import os
+    import time
 
     from vllm_hook.server.store import LOCAL_PREFIX, ResultStore
 
@@ -198,7 +199,8 @@ def test_result_store_keeps_files_for_local_clients(tmp_path):
     store = ResultStore(100, 10, clock=lambda: now[0], local_dir=str(tmp_path))
     h = store.put(b"x" * 40, local=True)
     path = store.path(h)
-    assert path and os.path.basename(path) == f"{LOCAL_PREFIX}{os.getpid()}-{h}"
+    # named for its deadline and a token of its own: a listing of the directory shows no handle
+    assert path and os.path.basename(path).startswith(LOCAL_PREFIX) and h not in path
     assert os.stat(path).st_mode & 0o777 == 0o600 and open(path, "rb").read() == b"x" * 40
     assert store.get(h) == b"x" * 40 and store.stats().local == 1 and store.stats().bytes == 40
     assert store.pop(h) == b"x" * 40 and not os.path.exists(path) and store.stats().bytes == 0
@@ -218,29 +220,61 @@ def test_result_store_keeps_files_for_local_clients(tmp_path):
     ro = ResultStore(100, 10, local_dir=str(tmp_path / "missing"))
     e = ro.put(b"e" * 10, local=True)
     assert ro.local_dir is None and ro.path(e) is None and ro.get(e) == b"e" * 10
-    # files older than the TTL (a crashed server's) are swept at start, newer ones kept
-    old, new = tmp_path / f"{LOCAL_PREFIX}999999999-zz", tmp_path / f"{LOCAL_PREFIX}999999999-yy"
+    # files past the deadline in their names (a crashed server's) are swept at start, others kept
+    old, new = tmp_path / f"{LOCAL_PREFIX}1000-zz", tmp_path / f"{LOCAL_PREFIX}{int(time.time()) + 3600}-yy"
     old.write_bytes(b"1")
     new.write_bytes(b"1")
-    os.utime(old, (0, 0))
     ResultStore(100, 10, local_dir=str(tmp_path))
     assert not old.exists() and new.exists()
+    # no room on its file system (a quarter of it for files), or a write that failed: in memory
+    small = ResultStore(100, 10, local_dir=str(tmp_path))
+    small._file_limit = 30
+    f = small.put(b"f" * 40, local=True)
+    assert small.path(f) is None and small.get(f) == b"f" * 40
+    small._file_limit = 1000
+    small.local_dir = str(tmp_path / "gone")          # the write fails: memory, then a pause
+    g = small.put(b"g" * 10, local=True)
+    assert small.path(g) is None and small.get(g) == b"g" * 10 and small._full_until > 0
+    small.local_dir = str(tmp_path)
+    assert small.path(small.put(b"h", local=True)) is None     # within the pause
+    # a file removed behind the server's back: the entry goes too
+    k = store.put(b"k" * 10, local=True)
+    os.unlink(store.path(k))
+    assert store.get(k) is None and store.path(k) is None
 
 
 def test_client_reads_only_its_result_files(tmp_path):
-    """The client reads an entry's file only where it is a result file of that entry's handle
-    (an absolute path), of the entry's size; anything else is fetched by handle."""
+    """The client reads an entry's file only where it is a regular file named as the server
+    names result files (an absolute path, no link followed), of the entry's size, and only
+    when it reads files at all (`local_results`); anything else is fetched by handle. By
+    default it asks for files only from a server at a loopback address."""
+    import os
+
+    import httpx
+
     from vllm_hook import client as client_mod
     from vllm_hook.server.store import LOCAL_PREFIX
 
-    good = tmp_path / f"{LOCAL_PREFIX}12-hdl"
+    good = tmp_path / f"{LOCAL_PREFIX}12-tok"
     good.write_bytes(b"abc")
     entry = {"handle": "hdl", "local": str(good), "bytes": 3, "data": None}
     assert client_mod._read_local(entry) == b"abc"
-    datas, fetch, release = client_mod._plan([entry, {"handle": "h2", "data": None}])
+    datas, fetch, release = client_mod._plan([entry, {"handle": "h2", "data": None}], True)
     assert datas[0] == b"abc" and fetch == [1] and release == ["hdl"]
-    other = tmp_path / "secret-hdl"
+    assert client_mod._plan([entry], False) == ([None], [0], [])
+    other = tmp_path / "secret"
     other.write_bytes(b"abc")
-    for bad in ({**entry, "bytes": 4}, {**entry, "handle": "other"}, {**entry, "local": str(other)},
-                {**entry, "local": f"{LOCAL_PREFIX}12-hdl"}, {**entry, "local": str(tmp_path / f"{LOCAL_PREFIX}1-hdl")}):
-        assert client_mod._read_local(bad) is None
+    link = tmp_path / f"{LOCAL_PREFIX}13-link"
+    link.symlink_to(other)
+    fifo = tmp_path / f"{LOCAL_PREFIX}14-fifo"
+    os.mkfifo(fifo)
+    for bad in ({**entry, "bytes": 4}, {**entry, "local": str(other)}, {**entry, "local": f"{LOCAL_PREFIX}12-tok"},
+                {**entry, "local": str(tmp_path / f"{LOCAL_PREFIX}1-none")}, {**entry, "local": str(link)},
+                {**entry, "local": str(fifo)}, {**entry, "local": str(good) + "\0"}, {**entry, "bytes": None}):
+        assert client_mod._read_local(bad) is None, bad
+    assert client_mod._releases([str(i) for i in range(5000)])[1]["handles"][0] == "4096"
+    for url, local in (("http://127.0.0.1:8000", True), ("http://localhost:1", True), ("http://[::1]:8000", True),
+                       ("http://10.0.0.7:8000", False), ("https://example.org", False)):
+        assert client_mod._loopback(httpx.URL(url)) is local, url
+        assert client_mod.Client(url).local_results is local
+        assert client_mod.Client(url, local_results=not local).local_results is not local

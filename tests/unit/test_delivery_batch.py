@@ -740,8 +740,8 @@ def test_host_memory_is_reused_once_no_tensor_views_it(monkeypatch):
 
 def test_idle_mappings_of_a_workload_no_longer_run_give_way(monkeypatch):
     """Idle mappings over `keep` are unmapped longest idle first, so the sizes of a workload
-    no longer run do not hold the room for good: after float32-sized results, bf16-sized ones
-    (half the size, which the float32 mappings do not fit within twice) are reused from their
+    no longer run do not hold the room for good: after large results, results too small to
+    fit those mappings (a mapping serves sizes down to half its own) are reused from their
     second batch on (run 153: 254 page faults a request every batch)."""
     from vllm_hook.delivery import hostmem
 

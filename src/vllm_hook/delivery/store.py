@@ -216,7 +216,8 @@ _NP = {k: np.dtype(v) for k, v in {"F64": np.float64, "F32": np.float32, "F16": 
 
 def st_tensors(blob: bytes, widen: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Inverse of `st_bytes`: (tensors, metadata) of safetensors bytes, the header parsed once,
-    each tensor a writable copy of its data, through numpy (safetensors' Python
+    each tensor writable and apart from `blob` (the widened ones views of one block, which
+    each of them keeps alive), through numpy (safetensors' Python
     loader cost about 15 µs a tensor, most of a served result's decoding). `widen(metadata,
     name)`: that tensor, when bfloat16 or float16, comes back as float32 (bfloat16 widened
     exactly, by a shift of its bits). Dtypes numpy lacks go through safetensors."""

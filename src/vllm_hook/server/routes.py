@@ -19,6 +19,7 @@ guards every `/v1` path).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -35,6 +36,7 @@ from ..frontend.vectors import prepare
 from ..spec.errors import SpecError
 from .errors import error_body, status_of
 from .limits import BodyLimit
+from .store import MAX_RELEASE
 
 router = APIRouter(prefix="/v1/hook", tags=["vllm_hook"])
 ATTACHED = "vllm_hook_routes_attached"
@@ -165,7 +167,11 @@ async def get_result(handle: str, request: Request):
     if engine is None:
         return _no_engine()
     delete = request.query_params.get("delete", "false").lower() in ("1", "true", "yes")
-    data = sv.store.pop(handle) if delete else sv.store.get(handle)
+    take = sv.store.pop if delete else sv.store.get
+    # A file-backed entry (`local_results`, asked for by a client that then could not open
+    # the file) is read off the event loop; one in memory is at hand.
+    data = (await asyncio.get_running_loop().run_in_executor(None, take, handle)
+            if sv.store.path(handle) else take(handle))
     if data is None:
         return _fail(f"no retained result {handle!r}: unknown, deleted, or older than "
                      f"result_ttl_s={sv.store.ttl_s:g}", 404, "NotFoundError")
@@ -182,9 +188,6 @@ async def delete_result(handle: str, request: Request):
     return {"deleted": handle}
 
 
-MAX_RELEASE = 4096     # handles per release call
-
-
 @router.post("/results/release")
 async def release_results(request: Request):
     engine, sv = _served(request)
@@ -199,7 +202,13 @@ async def release_results(request: Request):
         return _fail('send {"handles": [handle, ...]}: a list of result handles', 400, "BadRequestError")
     if len(handles) > MAX_RELEASE:
         return _fail(f"{len(handles)} handles: at most {MAX_RELEASE} per call", 400, "BadRequestError")
-    return {"released": sum(sv.store.delete(h) for h in handles)}
+    # Unlinking files frees their pages: off the event loop.
+    released = await asyncio.get_running_loop().run_in_executor(None, _release, sv.store, handles)
+    return {"released": released}
+
+
+def _release(store: Any, handles: list[str]) -> int:
+    return sum(store.delete(h) for h in handles)
 
 
 async def _json_body(request: Request) -> Any:

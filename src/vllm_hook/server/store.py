@@ -4,15 +4,16 @@ Bounded twice: an entry lives at most `result_ttl_s`, and the total never exceed
 `max_retained_bytes` (the oldest entries are dropped first). Clients delete what they fetched.
 
 A client on the server's host may ask for its results as files (`put(local=True)`): the bytes
-go into a file of their own in shared memory (`result_spill_dir`, mode 0600, an unguessable
-name),
-which the client reads without HTTP and then releases. Reading 3 MB through the async HTTP
-client cost it 6 to 10 ms of CPU on the CI machine, the file 0.3; a served batch's every-token
-captures are that client's CPU time (docs/benchmarks.md, run 154). The file's bytes count as
-the entry's (shared memory is RAM); HTTP fetches of such an entry read the file. Where the
-file cannot be written (no such directory, a container's 64 MB /dev/shm full), or with
-`local_results` off, the bytes stay in memory and the entry has no path: the client fetches it
-as before.
+go into a file of their own in shared memory (`result_spill_dir`, mode 0600), which the client
+reads without HTTP and then releases. Reading 3 MB through the async HTTP client cost it 6 to
+10 ms of CPU on the CI machine; a served batch's every-token captures are mostly that client's
+CPU time (docs/benchmarks.md, runs 153 to 155 and "Stop 65"). A file's name holds its deadline
+and a random token, not its handle (the directory can be listed by anyone on the host; the
+handle is the read capability). The file's bytes count as the entry's (shared memory is RAM),
+and files take at most a quarter of their file system (`spill.keep_limit`: other programs'
+shared memory must not find it full). Where a file cannot be written (no such directory, no
+room, `local_results` off) the bytes stay in memory and the entry has no path: the client
+fetches it as before. HTTP fetches of a file-backed entry read the file.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
-LOCAL_PREFIX = "vllm-hook-result-"     # then the server's pid, "-", the handle
+from ..delivery.spill import keep_limit
+
+LOCAL_PREFIX = "vllm-hook-result-"     # then the deadline (Unix seconds), "-", a random token
+MAX_RELEASE = 4096                     # handles per release call (`POST /v1/hook/results/release`)
+FULL_BACKOFF_S = 10.0                  # after a write found no room, no file for this long
 
 
 @dataclass
@@ -45,11 +50,15 @@ class ResultStore:
         # handle -> (deadline, bytes or None, file path or None, size); oldest first
         self._items: OrderedDict[str, tuple[float, bytes | None, str | None, int]] = OrderedDict()
         self._bytes = 0
+        self._file_bytes = 0
         self._dropped = 0            # expired or evicted before anyone fetched them
+        self._full_until = 0.0
         self._lock = threading.Lock()  # puts may come from encoding threads
+        local_dir = os.path.abspath(local_dir) if local_dir else None
         self.local_dir = local_dir if local_dir and os.access(local_dir, os.W_OK) else None
         if self.local_dir is not None:
-            _sweep_expired(self.local_dir, ttl_s)
+            self._file_limit = keep_limit(self.local_dir)
+            _sweep_expired(self.local_dir)
             # Files left at exit would hold shared memory until the host reboots.
             atexit.register(_unlink_all, weakref.ref(self))
 
@@ -59,26 +68,37 @@ class ResultStore:
         if len(data) > self.max_bytes:
             return None
         handle = secrets.token_urlsafe(18)   # unguessable: a handle is a read capability
-        path = self._write(handle, data) if local and self.local_dir is not None else None
+        path = self._write(data) if local and self.local_dir is not None else None
+        gone: list[str] = []
         with self._lock:
-            self._expire()
+            self._expire(gone)
             while self._items and self._bytes + len(data) > self.max_bytes:
-                self._drop(next(iter(self._items)))
+                self._drop(next(iter(self._items)), gone)
             self._items[handle] = (self._clock() + self.ttl_s, None if path else data, path, len(data))
             self._bytes += len(data)
+        _unlink_each(gone)
         return handle
 
-    def _write(self, handle: str, data: bytes) -> str | None:
-        path = os.path.join(self.local_dir, f"{LOCAL_PREFIX}{os.getpid()}-{handle}")
+    def _write(self, data: bytes) -> str | None:
+        """`data` in a new file, or None (no room: in memory instead)."""
+        with self._lock:
+            if self._clock() < self._full_until or self._file_bytes + len(data) > self._file_limit:
+                return None
+            self._file_bytes += len(data)           # reserved; given back below if unwritten
+        name = f"{LOCAL_PREFIX}{int(time.time() + self.ttl_s) + 1}-{secrets.token_urlsafe(12)}"
+        path = os.path.join(self.local_dir, name)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError:
-            return None
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-        except OSError:              # full: the bytes stay in memory
-            _unlink(path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+            except OSError:
+                _unlink(path)
+                raise
+        except OSError:              # full (a container's 64 MB /dev/shm): memory for a while
+            with self._lock:
+                self._file_bytes -= len(data)
+                self._full_until = self._clock() + FULL_BACKOFF_S
             return None
         return path
 
@@ -89,18 +109,19 @@ class ResultStore:
         return item[2] if item else None
 
     def get(self, handle: str) -> bytes | None:
+        gone: list[str] = []
         with self._lock:
-            self._expire()
+            self._expire(gone)
             item = self._items.get(handle)
-        return _read(item) if item else None
+        _unlink_each(gone)
+        data = _read(item) if item else None
+        if item and data is None:    # its file removed behind the server's back
+            self.delete(handle)
+        return data
 
     def pop(self, handle: str) -> bytes | None:
         """The result, removed: one round trip for a client that fetches it once."""
-        with self._lock:
-            self._expire()
-            item = self._items.pop(handle, None)
-            if item:
-                self._bytes -= item[3]
+        item = self._take(handle)
         if not item:
             return None
         data = _read(item)
@@ -109,36 +130,52 @@ class ResultStore:
         return data
 
     def delete(self, handle: str) -> bool:
-        with self._lock:
-            self._expire()
-            item = self._items.pop(handle, None)
-            if item:
-                self._bytes -= item[3]
+        item = self._take(handle)
         if item and item[2]:
             _unlink(item[2])
         return item is not None
 
-    def stats(self) -> StoreStats:
+    def _take(self, handle: str) -> tuple | None:
+        gone: list[str] = []
         with self._lock:
-            self._expire()
-            return StoreStats(len(self._items), self._bytes, self.max_bytes, self.ttl_s, self._dropped,
-                              sum(1 for item in self._items.values() if item[2]))
+            self._expire(gone)
+            item = self._items.pop(handle, None)
+            if item:
+                self._forget(item)
+        _unlink_each(gone)
+        return item
 
-    def _expire(self) -> None:
+    def stats(self) -> StoreStats:
+        gone: list[str] = []
+        with self._lock:
+            self._expire(gone)
+            out = StoreStats(len(self._items), self._bytes, self.max_bytes, self.ttl_s, self._dropped,
+                             sum(1 for item in self._items.values() if item[2]))
+        _unlink_each(gone)
+        return out
+
+    def _expire(self, gone: list[str]) -> None:
         now = self._clock()
         # Insertion order is expiry order (one TTL for all), so stop at the first live entry.
         while self._items:
             handle, item = next(iter(self._items.items()))
             if item[0] > now:
                 break
-            self._drop(handle)
+            self._drop(handle, gone)
 
-    def _drop(self, handle: str) -> None:
-        _, _, path, size = self._items.pop(handle)
-        self._bytes -= size
+    def _drop(self, handle: str, gone: list[str]) -> None:
+        """Under the lock: the entry forgotten, its file's path added to `gone` (unlinked by
+        the caller after the lock: freeing a large file's pages takes a while)."""
+        item = self._items.pop(handle)
+        self._forget(item)
         self._dropped += 1
-        if path:
-            _unlink(path)
+        if item[2]:
+            gone.append(item[2])
+
+    def _forget(self, item: tuple) -> None:
+        self._bytes -= item[3]
+        if item[2]:
+            self._file_bytes -= item[3]
 
 
 def _read(item: tuple) -> bytes | None:
@@ -158,28 +195,30 @@ def _unlink(path: str) -> None:
         pass
 
 
+def _unlink_each(paths: list[str]) -> None:
+    for p in paths:
+        _unlink(p)
+
+
 def _unlink_all(ref: weakref.ref) -> None:
     store = ref()
     if store is not None:
         with store._lock:
             paths = [item[2] for item in store._items.values() if item[2]]
-        for p in paths:
-            _unlink(p)
+        _unlink_each(paths)
 
 
-def _sweep_expired(directory: str, ttl_s: float) -> None:
-    """Remove result files older than `ttl_s`: a crashed server's (it skips `atexit`). Not by
-    whether their server runs: servers in containers sharing /dev/shm (`--ipc=host`) do not
-    see each other's pids, and a live server's files expire within `ttl_s` anyway."""
+def _sweep_expired(directory: str) -> None:
+    """Remove result files past the deadline in their names: a crashed server's (it skips
+    `atexit`). By the name's deadline, not by whether their server runs: servers in
+    containers sharing /dev/shm (`--ipc=host`) do not see each other's pids, and may have
+    TTLs of their own."""
     try:
         names = [n for n in os.listdir(directory) if n.startswith(LOCAL_PREFIX)]
     except OSError:
         return
     now = time.time()
     for name in names:
-        path = os.path.join(directory, name)
-        try:
-            if now - os.stat(path).st_mtime > ttl_s:
-                os.unlink(path)
-        except OSError:
-            pass
+        deadline = name[len(LOCAL_PREFIX):].split("-", 1)[0]
+        if deadline.isdigit() and int(deadline) < now:
+            _unlink(os.path.join(directory, name))
