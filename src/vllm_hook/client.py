@@ -7,8 +7,8 @@
 `Client` is synchronous, `AsyncClient` has the same methods as coroutines (`stream` /
 `stream_chat` return a `Stream` to iterate, or `async for`, then read `.results`). Results come back
 as the same `Results` objects as offline; results too large to travel inline are read from
-their files where the client runs on the server's host (`local_results`), else fetched by
-handle, and then deleted on the server; a steering-only result comes as its choice's tokens
+their files where the client asked for them and can open them (`local_results`: by default
+for a server at a loopback address), else fetched by handle, and then deleted on the server; a steering-only result comes as its choice's tokens
 (docs/serve.md, "The response"). `Client.results_of(response)` does the same for a whole
 response (or the extra stream event) obtained with the `openai` package. Request bodies are
 written and completions read with msgspec.
