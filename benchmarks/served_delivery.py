@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 from fastapi import Request  # module level: the route's annotation is resolved here
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
+sys.path[:0] = [str(HERE), str(HERE.parent / "src"), str(HERE.parent / "scripts")]
 
 
 def serve(port: int, rows: int, hidden: int) -> None:
@@ -119,9 +118,9 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.rows, args.hidden)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from gpu_serve_check import free_port
+
+    port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--rows", str(args.rows),
                              "--hidden", str(args.hidden)])
     try:

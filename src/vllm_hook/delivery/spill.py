@@ -61,7 +61,7 @@ def spill_target(directory: str | None) -> dict | None:
         except OSError:
             return None
         _PROBES[directory] = probe
-        atexit.register(_unlink, path)
+        atexit.register(remove_quietly, path)
     return {"dir": directory, "probe": probe}
 
 
@@ -89,7 +89,7 @@ def open_entry(entry: dict) -> Any:
                 read_into(f.fileno(), buf)
     finally:
         if mapped:
-            _unlink(path)
+            remove_quietly(path)
         else:
             hand_back(path)
     return buf
@@ -101,11 +101,11 @@ def hand_back(path: str) -> None:
     try:
         kept = sum(size for size, _ in _free_files(directory))
         if kept + os.path.getsize(path) > keep_limit(directory):
-            _unlink(path)
+            remove_quietly(path)
             return
         os.rename(path, os.path.join(directory, f"{FREE}{os.getpid()}-{uuid.uuid4().hex}"))
     except OSError:
-        _unlink(path)
+        remove_quietly(path)
         return
     if directory not in _HANDING_BACK:
         _HANDING_BACK.add(directory)
@@ -125,9 +125,9 @@ def keep_limit(directory: str) -> int:
 def _remove_own_free_files(directory: str) -> None:
     """At exit: the free files this process named (those no worker claimed since)."""
     mine = f"{FREE}{os.getpid()}-"
-    for name in _listdir(directory):
+    for name in list_quietly(directory):
         if name.startswith(mine):
-            _unlink(os.path.join(directory, name))
+            remove_quietly(os.path.join(directory, name))
 
 
 # ---- worker --------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ def write_spilled(tensors: dict[str, torch.Tensor], metadata: dict[str, str], di
             os.close(fd)
         os.utime(path)
     except BaseException:
-        _unlink(path)
+        remove_quietly(path)
         raise
     return path
 
@@ -232,7 +232,7 @@ def sweep_spilled(directory: str, max_age_s: float) -> int:
     opening its file left them (a live one opens its files within the fetch), or free files
     nobody reused."""
     n, now = 0, time.time()
-    for name in _listdir(directory):
+    for name in list_quietly(directory):
         if not name.startswith(PREFIX):
             continue
         path = os.path.join(directory, name)
@@ -248,7 +248,7 @@ def sweep_spilled(directory: str, max_age_s: float) -> int:
 def _free_files(directory: str) -> list[tuple[int, str]]:
     """(size, name) of the handed-back files in `directory`."""
     out = []
-    for name in _listdir(directory):
+    for name in list_quietly(directory):
         if name.startswith(FREE):
             try:
                 out.append((os.path.getsize(os.path.join(directory, name)), name))
@@ -257,14 +257,16 @@ def _free_files(directory: str) -> list[tuple[int, str]]:
     return out
 
 
-def _listdir(directory: str) -> list[str]:
+def list_quietly(directory: str) -> list[str]:
+    """`directory`'s names, none where it cannot be listed."""
     try:
         return os.listdir(directory)
     except OSError:
         return []
 
 
-def _unlink(path: str) -> None:
+def remove_quietly(path: str) -> None:
+    """Unlink `path` if it is there (another process may have removed it first)."""
     try:
         os.unlink(path)
     except OSError:

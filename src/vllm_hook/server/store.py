@@ -27,7 +27,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..delivery.spill import keep_limit
+from ..delivery.spill import keep_limit, list_quietly, remove_quietly
 
 LOCAL_PREFIX = "vllm-hook-result-"     # then the deadline (Unix seconds), "-", a random token
 MAX_RELEASE = 4096                     # handles per release call (`POST /v1/hook/results/release`)
@@ -93,7 +93,7 @@ class ResultStore:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
             except OSError:
-                _unlink(path)
+                remove_quietly(path)
                 raise
         except OSError:              # full (a container's 64 MB /dev/shm): memory for a while
             with self._lock:
@@ -126,13 +126,13 @@ class ResultStore:
             return None
         data = _read(item)
         if item[2]:
-            _unlink(item[2])
+            remove_quietly(item[2])
         return data
 
     def delete(self, handle: str) -> bool:
         item = self._take(handle)
         if item and item[2]:
-            _unlink(item[2])
+            remove_quietly(item[2])
         return item is not None
 
     def _take(self, handle: str) -> tuple | None:
@@ -188,16 +188,9 @@ def _read(item: tuple) -> bytes | None:
         return None
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
 def _unlink_each(paths: list[str]) -> None:
     for p in paths:
-        _unlink(p)
+        remove_quietly(p)
 
 
 def _unlink_all(ref: weakref.ref) -> None:
@@ -213,12 +206,8 @@ def _sweep_expired(directory: str) -> None:
     `atexit`). By the name's deadline, not by whether their server runs: servers in
     containers sharing /dev/shm (`--ipc=host`) do not see each other's pids, and may have
     TTLs of their own."""
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith(LOCAL_PREFIX)]
-    except OSError:
-        return
     now = time.time()
-    for name in names:
+    for name in (n for n in list_quietly(directory) if n.startswith(LOCAL_PREFIX)):
         deadline = name[len(LOCAL_PREFIX):].split("-", 1)[0]
         if deadline.isdigit() and int(deadline) < now:
-            _unlink(os.path.join(directory, name))
+            remove_quietly(os.path.join(directory, name))
