@@ -26,8 +26,9 @@ The servers run at once (started one after another), each with its share of GPU 
 only one is sent requests at a time. Results are inline up to --inline-bytes (default: the
 plugin's), larger ones by handle: the client, on the server's host, reads each from its file
 and releases a response's in one call (`local_results`, docs/serve.md); with
-`--no-local-results` it fetches and deletes each over HTTP in one round trip, as a client on
-another host does.
+`--deliveries http` it fetches and deletes each over HTTP in one round trip, as a client on
+another host does; `--deliveries files http` times each workload both ways on the same servers
+(a client of each kind; one server start).
 The client keeps no connection alive (`--client-limits async-client`: `vllm_hook.AsyncClient`'s
 own pool, 20 kept). "MB / extra s" is the hooked batch's activation bytes over its median extra
 time: the bandwidth at which moving the results alone would explain the extra.
@@ -228,12 +229,18 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
     return res
 
 
+def _label(case: dict, meta: dict) -> str:
+    """A case's workload, and how its large results came (runs before `--deliveries`: the meta's)."""
+    d = case.get("delivery", "files" if meta.get("local_results", False) else "http")
+    return case["workload"] + (" (over HTTP)" if d == "http" else "")
+
+
 def report(result: dict) -> str:
     m = result["meta"]
     lines = [f"Run {m['started']}: vLLM {m.get('vllm')}, torch {m.get('torch')}, {m.get('gpu')}; model {m['shape']}; "
              f"wall {m.get('wall_s', 0):.0f} s; served (`vllm serve`, results inline up to "
-             f"{m.get('inline_bytes') or 'the default 1 MiB'} bytes, larger by handle, "
-             f"{'read from their files' if m.get('local_results', False) else 'fetched over HTTP'}). Ratios: median "
+             f"{m.get('inline_bytes') or 'the default 1 MiB'} bytes, larger by handle: read from their "
+             "files, or fetched over HTTP where a row says so). Ratios: median "
              "[95 % bootstrap interval] over reps. " + host_line(m), "",
              "| workload | requests | prompt + generated | in-engine (hooked / unhooked) | vs native | "
              "unhooked vs native | second native vs native | native, requests/s | results delivered (MB) | "
@@ -242,7 +249,7 @@ def report(result: dict) -> str:
     for r in result.get("cases", []):
         ie, uv = r["in_engine"], r["unhooked_vs_native"]
         nb = r.get("native_b_vs_native")
-        lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
+        lines.append(f"| {_label(r, m)} | {r['n']} | {r['prompt_len']} + {r['gen']} | {ie[0]:.3f} [{ie[1]:.3f}, "
                      f"{ie[2]:.3f}] | {r['vs_native'][0]:.3f} | {uv[0]:.3f} [{uv[1]:.3f}, {uv[2]:.3f}] | "
                      + (f"{nb[0]:.3f} [{nb[1]:.3f}, {nb[2]:.3f}]" if nb else "–")
                      + f" | {r['requests_per_s_native']:.0f} | {r.get('delivered_mb', 0):.3g} | "
@@ -257,7 +264,7 @@ def report(result: dict) -> str:
     for r in result.get("cases", []):
         c = r.get("cpu_us_per_request")
         if c:
-            lines.append(f"| {r['workload']} | {r['n']} | {r['prompt_len']} + {r['gen']} | "
+            lines.append(f"| {_label(r, m)} | {r['n']} | {r['prompt_len']} + {r['gen']} | "
                          + " | ".join(f"{c[k][0]:.0f} [{c[k][1]:.0f}, {c[k][2]:.0f}]"
                                       for k in ("api_server", "engine", "client")) + " | "
                          + ("; ".join(f"{g[0]:.1f} / {g[1]:.1f}" for g in r["server_gc_ms"].values())
@@ -267,7 +274,7 @@ def report(result: dict) -> str:
               "|---|---|---|" + "---|" * len(SERVED_STAGES)]
     for r in result.get("cases", []):
         if "host_us_per_request" in r:
-            lines.append(f"| {r['workload']} | {r['n']} | {r['gen']} | "
+            lines.append(f"| {_label(r, m)} | {r['n']} | {r['gen']} | "
                          + " | ".join(f"{r['host_us_per_request'][s]:.0f}" for s in SERVED_STAGES.values()) + " |")
     return "\n".join(lines) + "\n"
 
@@ -277,8 +284,13 @@ async def bench(args, model: str, cfg: dict, result: Record) -> None:
     drivers = {}
     try:
         n_max = max(int(b.split("x")[0]) for b in args.batches)
-        drivers = {name: Driver(s.url, n_max, args.client_limits, s.proc.pid, not args.no_local_results)
+        drivers = {name: Driver(s.url, n_max, args.client_limits, s.proc.pid)
                    for name, s in servers.items()}
+        # the plugin server's clients, one per way its large results reach them
+        plugin = {d: drivers["plugin"] if d == "files" else
+                  Driver(servers["plugin"].url, n_max, args.client_limits, servers["plugin"].proc.pid,
+                         local_results=False) for d in args.deliveries}
+        drivers.update({f"plugin.{d}": v for d, v in plugin.items()})
         import torch
 
         await drivers["plugin"].client.register_vectors({VECTOR: torch.randn(cfg["hidden_size"])})
@@ -290,11 +302,13 @@ async def bench(args, model: str, cfg: dict, result: Record) -> None:
             n, rest = b.split("x")
             plen, gen = rest.split("+")
             for name in args.workloads:
-                result["cases"].append(await run_case(drivers, name, wl[name], int(n), int(plen), int(gen),
-                                                      args.reps, cfg["vocab_size"]))
-                result.save()
+                for d in args.deliveries:
+                    case = await run_case({**drivers, "plugin": plugin[d]}, name, wl[name], int(n), int(plen),
+                                          int(gen), args.reps, cfg["vocab_size"])
+                    result["cases"].append({**case, "delivery": d})
+                    result.save()
     finally:
-        for d in drivers.values():
+        for d in {id(d): d for d in drivers.values()}.values():
             await d.http.aclose()
         for s in servers.values():
             s.stop()
@@ -317,9 +331,10 @@ def main() -> None:
     ap.add_argument("--client-limits", choices=["none-kept", "async-client"], default="none-kept",
                     help="the client's connection pool: none kept alive (default), or vllm_hook.AsyncClient's "
                          "own limits (1,024 connections, 20 kept alive)")
-    ap.add_argument("--no-local-results", action="store_true",
-                    help="results kept by handle fetched over HTTP, as by a client on another host (default: "
-                         "read from their files, `local_results`)")
+    ap.add_argument("--deliveries", nargs="+", choices=["files", "http"], default=["files"],
+                    help="how the client gets results kept by handle: read from their files (`local_results`, "
+                         "the default), fetched over HTTP as by a client on another host, or each workload both "
+                         "ways in turn")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the client's heap to Python's collector (default: frozen once set up)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
@@ -340,7 +355,7 @@ def main() -> None:
     cfg = json.loads((Path(model) / "config.json").read_text())
     result = Record(Path(args.out), run_meta(model, cfg, inline_bytes=args.inline_bytes,
                                               client_limits=args.client_limits, gc_freeze=not args.no_gc_freeze,
-                                              local_results=not args.no_local_results),
+                                              deliveries=args.deliveries),
                     render=report, cases=[])
     try:
         asyncio.run(bench(args, model, cfg, result))

@@ -113,9 +113,11 @@ def test_served_throughput_benchmark_smoke(tmp_path, engines):
     engines.close()
     out = tmp_path / "tps"
     _script("throughput_served.py", "--smoke", "--workloads", "unused", "mixed_thirds", "--batches", "8x16+4",
-            "--reps", "2", "--out", out)
+            "--reps", "2", "--deliveries", "files", "http", "--out", out)
     r = json.loads((out / "results.json").read_text())
-    assert [c["workload"] for c in r["cases"]] == ["unused", "mixed_thirds"]
+    # each workload with a client reading result files, then one fetching them over HTTP
+    assert [(c["workload"], c["delivery"]) for c in r["cases"]] == [
+        ("unused", "files"), ("unused", "http"), ("mixed_thirds", "files"), ("mixed_thirds", "http")]
     for c in r["cases"]:
         for x in c["reps"]:      # each batch's time, the client's collector time and CPU times
             assert {"native_s", "hooked_s", "unhooked_s", "delivered_bytes", "hooked_gc_s",
@@ -125,11 +127,11 @@ def test_served_throughput_benchmark_smoke(tmp_path, engines):
         assert all(len(x["hooked_server_gc_s"]) == 2 for x in c["reps"]) and set(c["server_gc_ms"]) == {
             "api_server", "engine"}
     # 8 requests x 16 + 4 tokens: the all-token third's 4 layers of 128 floats, counted client-side
-    assert r["cases"][0]["delivered_mb"] == 0 and r["cases"][1]["delivered_mb"] > 0
-    mixed = r["cases"][1]["host_us_per_request"]
+    assert r["cases"][0]["delivered_mb"] == 0 and r["cases"][2]["delivered_mb"] == r["cases"][3]["delivered_mb"] > 0
+    mixed = r["cases"][2]["host_us_per_request"]
     assert mixed["admission (parse, resolve)"] > 0 and mixed["encode (safetensors; inline or a handle)"] > 0
     report = (out / "report.md").read_text()
-    assert "| mixed_thirds | 8 | 16 + 4 |" in report and "| API server | engine core and workers | client | collector" in report
+    assert "| mixed_thirds | 8 | 16 + 4 |" in report and "| mixed_thirds (over HTTP) | 8 | 16 + 4 |" in report and "| API server | engine core and workers | client | collector" in report
     # the host's single-thread speed and load, so runs on different lent hosts can be told apart
     assert len(r["meta"]["host"]["python_loop_ms"]) == 3 and r["meta"]["host"]["cpus"] >= 1
     assert "Host probe" in report
