@@ -10,8 +10,9 @@ plugin's routes (`server.routes`) and result store (`server.store`), the results
 the API server encodes them (`server.encode.encode_one`), and `vllm_hook.AsyncClient` turning a
 response's entries into `Results` (`results_of`): with `local_results` (read from their files,
 released in one call) and without (one GET each, `?delete=true`), alternating, medians of
-`--rounds`. Reports the client's wall and CPU time per result; the server's part (encoding,
-writing the files) happens before the response and is not in these figures. No engine, no
+`--rounds`. Reports the client's wall and CPU time per result, and the server process's CPU
+time per result apart: making the response (encoding, and writing the files where asked) and
+serving the client's fetches or release. No engine, no
 model: the rows are random. A smoke test runs it in CI with small sizes.
 """
 
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 from fastapi import Request  # module level: the route's annotation is resolved here
 
 HERE = Path(__file__).resolve().parent
@@ -70,7 +72,12 @@ def serve(port: int, rows: int, hidden: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-async def measure(url: str, n: int, rounds: int) -> dict:
+def _cpu(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+async def measure(url: str, n: int, rounds: int, pid: int) -> dict:
     import httpx
 
     from vllm_hook import AsyncClient
@@ -80,7 +87,9 @@ async def measure(url: str, n: int, rounds: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         for _ in range(rounds + 1):                # the first round warms up, untimed
             for local in (True, False):
+                s0 = _cpu(pid)
                 r = await http.post(f"/bench/make?n={n}&local={int(local)}")
+                s1 = _cpu(pid)
                 assert r.status_code == 200, r.text[:2000]
                 resp = r.json()
                 entries = resp["vllm_hook"]["results"]
@@ -92,16 +101,18 @@ async def measure(url: str, n: int, rounds: int) -> dict:
                 t, c = time.perf_counter(), time.process_time()
                 got = await client.results_of(resp)
                 wall, cpu = time.perf_counter() - t, time.process_time() - c
+                server = (s1 - s0, _cpu(pid) - s1)
                 assert len(got) == n and all(g.ok and g.activations["resid_post"][4].dtype.is_floating_point
                                              for g in got)
-                out.setdefault(local, []).append((wall, cpu))
+                out.setdefault(local, []).append((wall, cpu, *server))
                 del got
     res = {}
     for local, runs in out.items():
         runs = runs[1:]
         key = "from_files" if local else "over_http"
-        res[key] = {"wall_ms_per_result": round(1e3 * statistics.median(w for w, _ in runs) / n, 3),
-                    "client_cpu_ms_per_result": round(1e3 * statistics.median(c for _, c in runs) / n, 3)}
+        res[key] = {k: round(1e3 * statistics.median(x[i] for x in runs) / n, 3) for i, k in enumerate((
+            "wall_ms_per_result", "client_cpu_ms_per_result", "server_cpu_ms_per_result_making",
+            "server_cpu_ms_per_result_delivering"))}
     res["from_files"]["offered_as_files"] = min(files)
     return res
 
@@ -139,7 +150,7 @@ def main() -> None:
 
         res = {"results": args.results, "rows": args.rows, "hidden": args.hidden,
                "mb_per_result_bf16": round(4 * args.rows * args.hidden * 2 / 1e6, 2), "rounds": args.rounds,
-               **asyncio.run(measure(url, args.results, args.rounds)), "host": host_probe(), "cpus": os.cpu_count()}
+               **asyncio.run(measure(url, args.results, args.rounds, proc.pid)), "host": host_probe(), "cpus": os.cpu_count()}
     finally:
         proc.terminate()
         proc.wait(30)

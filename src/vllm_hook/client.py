@@ -29,7 +29,9 @@ from typing import Any, Mapping, Sequence
 import httpx
 import msgspec
 import pybase64
+import torch
 
+from .delivery.hostmem import host_empty
 from .hooks.hook import Hook
 from .hooks.state import decode_collected
 from .results import Results
@@ -233,11 +235,12 @@ def _entries(response: Any) -> list[dict]:
     return sorted((hook or {}).get("results", []), key=lambda e: e["index"])
 
 
-def _read_local(entry: dict) -> bytes | None:
+def _read_local(entry: dict) -> memoryview | None:
     """The bytes of an entry kept as a file (`"local"`: `server.store`), read here where this
     process is on the server's host and may read it; None otherwise (then it is fetched by
     handle). Whatever path a server names, only a regular file named as the server names
-    result files, of the entry's size, is read (no link followed, no FIFO waited on)."""
+    result files, of the entry's size, is read (no link followed, no FIFO waited on). Read
+    into reused memory (`host_empty`), which returns to its pool once decoded."""
     path, size = entry.get(LOCAL), entry.get("bytes")
     if not (isinstance(path, str) and os.path.isabs(path) and os.path.basename(path).startswith(LOCAL_PREFIX)
             and isinstance(size, int)):
@@ -250,16 +253,17 @@ def _read_local(entry: dict) -> bytes | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             return None
+        data = memoryview(host_empty((size,), torch.uint8).numpy())
         with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-            data = f.read()
+            got = f.readinto(data)
     except OSError:
         return None
     finally:
         os.close(fd)
-    return data if len(data) == size else None
+    return data if got == size else None
 
 
-def _plan(entries: list[dict], local: bool) -> tuple[list[bytes | None], list[int], list[str]]:
+def _plan(entries: list[dict], local: bool) -> tuple[list[Any], list[int], list[str]]:
     """Each entry's bytes where it has them (inline, or with `local` a file read here), the
     entries to fetch by handle, and the handles read from files (to release on the server)."""
     datas = [_inline(e) for e in entries]

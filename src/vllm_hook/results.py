@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import __version__
-from .delivery.store import st_bytes, st_tensors
+from .delivery.store import StParts, st_bytes, st_tensors
 from .delivery.hostmem import CHUNK_BYTES, copy_many, host_empty
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
@@ -130,6 +130,11 @@ class Results:
         can be made before the request's last token."""
         tensors, meta = self._payload(stacked, tokens)
         return st_bytes(tensors, meta)
+
+    def to_parts(self, stacked: bool = False, tokens: bool = True) -> StParts:
+        """`to_bytes`'s content not yet joined (a large served result: `server.encode`):
+        the same tensors and metadata, read by `from_bytes` alike."""
+        return StParts(*self._payload(stacked, tokens))
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> "Results":

@@ -241,6 +241,21 @@ def test_result_store_keeps_files_for_local_clients(tmp_path):
     k = store.put(b"k" * 10, local=True)
     os.unlink(store.path(k))
     assert store.get(k) is None and store.path(k) is None
+    # a large result's unjoined parts (`StParts`): written to the file from its tensors, or
+    # joined in memory (not local, or no room for the file)
+    import torch
+
+    from vllm_hook.delivery.store import StParts
+
+    parts = StParts({"x": torch.arange(4, dtype=torch.int16)}, {})
+    want = bytes(parts.joined())
+    big = ResultStore(1000, 10, local_dir=str(tmp_path))
+    p1, p2 = big.put(parts, local=True), big.put(parts)
+    assert open(big.path(p1), "rb").read() == want and big.stats().bytes == 2 * len(want)
+    assert big.path(p2) is None and bytes(big.get(p2)) == want and bytes(big.pop(p1)) == want
+    big._file_limit = 0
+    p3 = big.put(parts, local=True)
+    assert big.path(p3) is None and bytes(big.pop(p3)) == want
 
 
 def test_client_reads_only_its_result_files(tmp_path):

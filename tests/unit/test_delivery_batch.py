@@ -976,6 +976,48 @@ def test_safetensors_bytes_load_as_safetensors_loads_them():
     assert wide["c"].dtype == torch.float32 and wide["d"].dtype == torch.int64
 
 
+def test_st_parts_are_the_safetensors_bytes_of_their_tensors(tmp_path):
+    """`StParts` (a large served result kept by handle, never joined in one bytes object):
+    joined, or written to a file, they are safetensors bytes that `safetensors.torch.load`
+    and `st_tensors` read as the tensors and metadata given, every dtype, empty and scalar
+    tensors included, each tensor's data aligned to its dtype (widest first, as safetensors
+    lays them out); a `Chunked` tensor is written whole."""
+    import os
+
+    from safetensors.torch import load
+
+    from vllm_hook.delivery.hostmem import Chunked
+    from vllm_hook.delivery.store import StParts, st_tensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=g).bfloat16(), "b": torch.randn(7, generator=g).half(),
+               "g": torch.arange(3, dtype=torch.int32), "c": torch.randn(2, 3, generator=g),
+               "e": torch.tensor(True), "f": torch.zeros(0, 4).bfloat16(), "d": torch.arange(5),
+               "i": torch.arange(9, dtype=torch.uint8), "j": torch.tensor(2.5),
+               "h": torch.randn(4, 6, generator=g).double()[:, ::2],          # not contiguous
+               "k": Chunked([torch.arange(6.0).view(2, 3, 1), torch.arange(4.0).view(2, 2, 1)])}
+    parts = StParts(tensors, {"m": "v"})
+    blob = bytes(parts.joined())
+    assert len(blob) == len(parts)
+    ref = load(blob)
+    got, meta = st_tensors(blob)
+    assert meta == {"m": "v"} and set(ref) == set(got) == set(tensors)
+    for k, t in tensors.items():
+        want = torch.cat(t.parts, dim=1) if isinstance(t, Chunked) else t
+        assert torch.equal(ref[k], want) and torch.equal(got[k], want) and ref[k].dtype == want.dtype, k
+    header_len = 8 + int.from_bytes(blob[:8], "little")
+    from vllm_hook.delivery.store import _header
+    for name, info in _header(blob)[0].items():
+        if name != "__metadata__":
+            assert (header_len + info["data_offsets"][0]) % ref[name].element_size() == 0, name
+    fd = os.open(tmp_path / "r", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        parts.write(fd)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "r").read_bytes() == blob
+
+
 def test_a_fetched_payload_nobody_reads_is_handed_back(tmp_path):
     """A served batch whose clients all went away before reading its payload (or a fetch
     whose reply could not be merged) leaves no result file behind: it is offered for reuse."""

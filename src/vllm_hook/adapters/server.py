@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,12 +46,16 @@ SERVED_ATTR = "_vllm_hook_served"
 BATCHER_ATTR = "_vllm_hook_fetcher"
 
 _ENCODER: ThreadPoolExecutor | None = None
+# Threads encoding large results: most of their time is the copy into a result's file or
+# block (`StParts`), which releases the GIL, so a batch's results are written side by side;
+# a quarter of the host's CPUs at most, leaving the rest to vLLM and the event loop.
+ENCODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def _encoder() -> ThreadPoolExecutor:
     global _ENCODER
     if _ENCODER is None:
-        _ENCODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm_hook_encode")
+        _ENCODER = ThreadPoolExecutor(max_workers=ENCODE_THREADS, thread_name_prefix="vllm_hook_encode")
     return _ENCODER
 
 
@@ -266,11 +271,11 @@ async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked
     their tokens, for a client that reads "tokens" entries (else None); `stacked`: the client
     reads stacked sites; `tokenless`: tokenless safetensors; `local`: files it reads itself."""
     sv = served_of(serving.engine_client)
-    # Serialising large captures is CPU work: off the event loop, on one thread of our own (a
-    # batch's large results queued in the default pool held back vLLM's own work there, and
-    # the serializer holds the GIL: more threads only contend for it). Small ones stay on the
-    # loop: the hop to a thread and back waits for the GIL (up to its 5 ms switch interval)
-    # while the loop runs, more than the encoding itself.
+    # Serialising large captures is CPU work: off the event loop, on threads of our own (a
+    # batch's large results queued in the default pool held back vLLM's own work there;
+    # `ENCODE_THREADS`). Small ones stay on the loop: the hop to a thread and back waits for
+    # the GIL (up to its 5 ms switch interval) while the loop runs, more than the encoding
+    # itself.
     t0 = time.perf_counter()
     # (a response whose results all carry rows has no "tokens" entry: its choices not read)
     shown = (encode.shown_tokens(response) if response is not None and (tokenless or encode.any_tokens_only(sink))

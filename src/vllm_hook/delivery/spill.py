@@ -144,11 +144,11 @@ def write_spilled(tensors: dict[str, torch.Tensor], metadata: dict[str, str], di
     """Write `tensors` as safetensors into a reused or new file in `directory`; its path.
     Raises OSError (nothing left behind) when the directory is full or gone: new pages are
     allocated up front (fallocate), so a full tmpfs fails here, not part way."""
-    header, size = _layout(tensors, metadata)
+    header, size = layout(tensors, metadata)
     path = os.path.join(directory, f"{PREFIX}{uuid.uuid4().hex}.safetensors")
     capacity = _claim(directory, size, path)
     if capacity is not None and capacity > size:
-        header, size = _layout(tensors, metadata, pad_to=capacity)
+        header, size = layout(tensors, metadata, pad_to=capacity)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -184,7 +184,7 @@ def write_spilled(tensors: dict[str, torch.Tensor], metadata: dict[str, str], di
     return path
 
 
-def _layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+def layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
             pad_to: int = 0) -> tuple[bytes, int]:
     """The safetensors header (8-byte length + JSON, space-padded to 8) and the file's size.
     With `pad_to`, a `__pad__` tensor fills the file up to that size where there is room."""

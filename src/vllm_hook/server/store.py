@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..delivery.spill import keep_limit, list_quietly, remove_quietly
+from ..delivery.store import StParts
 
 LOCAL_PREFIX = "vllm-hook-result-"     # then the deadline (Unix seconds), "-", a random token
 MAX_RELEASE = 4096                     # handles per release call (`POST /v1/hook/results/release`)
@@ -62,13 +63,16 @@ class ResultStore:
             # Files left at exit would hold shared memory until the host reboots.
             atexit.register(_unlink_all, weakref.ref(self))
 
-    def put(self, data: bytes, local: bool = False) -> str | None:
+    def put(self, data: bytes | StParts, local: bool = False) -> str | None:
         """Keep `data`; return its handle, or None when it alone exceeds the bound. `local`:
-        in a file (`path`) where one can be written."""
+        in a file (`path`) where one can be written. `StParts` are written to the file from
+        their tensors, or else joined into one block of memory."""
         if len(data) > self.max_bytes:
             return None
         handle = secrets.token_urlsafe(18)   # unguessable: a handle is a read capability
         path = self._write(data) if local and self.local_dir is not None else None
+        if path is None and isinstance(data, StParts):
+            data = data.joined()
         gone: list[str] = []
         with self._lock:
             self._expire(gone)
@@ -79,7 +83,7 @@ class ResultStore:
         _unlink_each(gone)
         return handle
 
-    def _write(self, data: bytes) -> str | None:
+    def _write(self, data: bytes | StParts) -> str | None:
         """`data` in a new file, or None (no room: in memory instead)."""
         with self._lock:
             if self._clock() < self._full_until or self._file_bytes + len(data) > self._file_limit:
@@ -90,11 +94,16 @@ class ResultStore:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
+                if isinstance(data, StParts):
+                    data.write(fd)
+                else:
+                    with os.fdopen(fd, "wb", closefd=False) as f:
+                        f.write(data)
             except OSError:
                 remove_quietly(path)
                 raise
+            finally:
+                os.close(fd)
         except OSError:              # full (a container's 64 MB /dev/shm): memory for a while
             with self._lock:
                 self._file_bytes -= len(data)
@@ -108,7 +117,7 @@ class ResultStore:
             item = self._items.get(handle)
         return item[2] if item else None
 
-    def get(self, handle: str) -> bytes | None:
+    def get(self, handle: str) -> bytes | memoryview | None:
         gone: list[str] = []
         with self._lock:
             self._expire(gone)
@@ -119,7 +128,7 @@ class ResultStore:
             self.delete(handle)
         return data
 
-    def pop(self, handle: str) -> bytes | None:
+    def pop(self, handle: str) -> bytes | memoryview | None:
         """The result, removed: one round trip for a client that fetches it once."""
         item = self._take(handle)
         if not item:
@@ -178,7 +187,7 @@ class ResultStore:
             self._file_bytes -= item[3]
 
 
-def _read(item: tuple) -> bytes | None:
+def _read(item: tuple) -> bytes | memoryview | None:
     if item[2] is None:
         return item[1]
     try:
