@@ -258,6 +258,50 @@ def test_result_store_keeps_files_for_local_clients(tmp_path):
     assert big.path(p3) is None and bytes(big.pop(p3)) == want
 
 
+def test_result_store_reuses_the_files_of_entries_gone(tmp_path):
+    """A file whose entry went (popped, deleted, expired) is kept under a name no entry holds
+    and swept at the next start, and the next result as large or smaller takes it over (its
+    pages: the same inode) under a name of its own, cut to its size; beyond the bound of kept
+    files they are deleted, and the server's exit removes them."""
+    import os
+
+    from vllm_hook.server import store as store_mod
+    from vllm_hook.server.store import LOCAL_PREFIX, ResultStore
+
+    now = [0.0]
+    st = ResultStore(1000, 10, clock=lambda: now[0], local_dir=str(tmp_path))
+    a = st.put(b"a" * 100, local=True)
+    inode = os.stat(st.path(a)).st_ino
+    assert st.pop(a) == b"a" * 100
+    kept = [n for n in os.listdir(tmp_path) if n.startswith(LOCAL_PREFIX)]
+    assert len(kept) == 1 and kept[0].startswith(f"{LOCAL_PREFIX}0-") and st._free_bytes == 100
+    b = st.put(b"b" * 60, local=True)                 # smaller: takes it over, cut to its size
+    path = st.path(b)
+    assert os.stat(path).st_ino == inode and open(path, "rb").read() == b"b" * 60 and os.stat(path).st_mode & 0o777 == 0o600
+    assert st._free == [] and os.listdir(tmp_path) == [os.path.basename(path)]
+    c = st.put(b"c" * 80, local=True)                 # nothing kept that holds it: a new file
+    assert os.stat(st.path(c)).st_ino != inode
+    assert st.delete(b)
+    now[0] = 11                                        # c expires: its file is kept too
+    assert st.get(c) is None and len(st._free) == 2 and st.stats().bytes == 0
+    # beyond the bound, files are deleted
+    st._free_limit = 150
+    d = st.put(b"d" * 100, local=True)              # none kept holds 100 bytes: a new file
+    pd = st.path(d)
+    assert len(st._free) == 2 and st._free_bytes == 140
+    assert st.pop(d) == b"d" * 100 and not os.path.exists(pd)   # 140 + 100 > 150: deleted
+    assert len(st._free) == 2 and st._free_bytes == 140 and len(os.listdir(tmp_path)) == 2
+    # files kept for reuse (deadline 0 in their names) are swept when a server starts, and
+    # removed at the server's exit
+    store_mod._unlink_all(__import__("weakref").ref(st))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(LOCAL_PREFIX)]
+    st2 = ResultStore(1000, 10, local_dir=str(tmp_path))
+    st2.pop(st2.put(b"e" * 10, local=True))
+    assert len(os.listdir(tmp_path)) == 1
+    ResultStore(1000, 10, local_dir=str(tmp_path))
+    assert not os.listdir(tmp_path)
+
+
 def test_client_reads_only_its_result_files(tmp_path):
     """The client reads an entry's file only where it is a regular file named as the server
     names result files (an absolute path, no link followed), of the entry's size, and only
