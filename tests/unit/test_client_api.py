@@ -242,13 +242,13 @@ def test_result_store_keeps_files_for_local_clients(tmp_path):
     os.unlink(store.path(k))
     assert store.get(k) is None and store.path(k) is None
     # a large result's unjoined parts (`StParts`): written to the file from its tensors, or
-    # joined in memory (not local, or no room for the file)
+    # joined into bytes in memory (not local, or no room for the file)
     import torch
 
     from vllm_hook.delivery.store import StParts
 
     parts = StParts({"x": torch.arange(4, dtype=torch.int16)}, {})
-    want = bytes(parts.joined())
+    want = parts.to_bytes()
     big = ResultStore(1000, 10, local_dir=str(tmp_path))
     p1, p2 = big.put(parts, local=True), big.put(parts)
     assert open(big.path(p1), "rb").read() == want and big.stats().bytes == 2 * len(want)

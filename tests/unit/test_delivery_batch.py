@@ -977,8 +977,8 @@ def test_safetensors_bytes_load_as_safetensors_loads_them():
 
 
 def test_st_parts_are_the_safetensors_bytes_of_their_tensors(tmp_path):
-    """`StParts` (a large served result kept by handle, never joined in one bytes object):
-    joined, or written to a file, they are safetensors bytes that `safetensors.torch.load`
+    """`StParts` (a large served result a client reads from its file): written to a file, or
+    joined, they are safetensors bytes that `safetensors.torch.load`
     and `st_tensors` read as the tensors and metadata given, every dtype, empty and scalar
     tensors included, each tensor's data aligned to its dtype (widest first, as safetensors
     lays them out); a `Chunked` tensor is written whole."""
@@ -997,7 +997,7 @@ def test_st_parts_are_the_safetensors_bytes_of_their_tensors(tmp_path):
                "h": torch.randn(4, 6, generator=g).double()[:, ::2],          # not contiguous
                "k": Chunked([torch.arange(6.0).view(2, 3, 1), torch.arange(4.0).view(2, 2, 1)])}
     parts = StParts(tensors, {"m": "v"})
-    blob = bytes(parts.joined())
+    blob = parts.to_bytes()
     assert len(blob) == len(parts)
     ref = load(blob)
     got, meta = st_tensors(blob)

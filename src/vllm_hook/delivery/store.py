@@ -211,11 +211,11 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 class StParts:
     """Safetensors bytes of host tensors not yet joined: their header and their memory, for a
-    large served result kept by handle (`server.store`): written to its file straight from
-    the tensors, or joined once into reused memory (`host_empty`). `st_bytes` made a fresh
-    bytes object of each (faulting in its pages) and the API server then copied it into the
-    file: about 4 ms of its CPU for a 3.1 MB result on the CI machine. Tensors are laid out
-    widest dtype first, as safetensors does, so that each starts aligned."""
+    large served result a client reads from its file (`server.store`): written to the file
+    straight from the tensors, where `st_bytes` made a bytes object of them first (fresh
+    memory, its pages faulted in) that the API server then copied into the file: about 4 ms
+    of its CPU for a 3.1 MB result on the CI machine. Tensors are laid out widest dtype
+    first, as safetensors does, so that each starts aligned."""
 
     __slots__ = ("header", "parts", "size")
 
@@ -237,12 +237,10 @@ class StParts:
         """Into file `fd` (new pages: `write_new`)."""
         write_new(fd, [(torch.frombuffer(bytearray(self.header), dtype=torch.uint8), 0), *self.parts])
 
-    def joined(self) -> memoryview:
-        """The bytes, in one block of reused memory (returned to its pool once unreferenced)."""
-        buf = host_empty((self.size,), torch.uint8)
-        buf[:len(self.header)] = torch.frombuffer(bytearray(self.header), dtype=torch.uint8)
-        copy_many([(buf[at:at + src.numel()], src) for src, at in self.parts])
-        return memoryview(buf.numpy())
+    def to_bytes(self) -> bytes:
+        """The bytes, joined (a result kept in memory after all: no file could be written).
+        A bytes object, which the server sends without a copy on its event loop."""
+        return b"".join([self.header, *(memoryview(t.numpy()) for t, _ in self.parts)])
 
 # safetensors dtype -> numpy dtype of the same bytes (bfloat16 read as uint16, viewed after)
 _NP = {k: np.dtype(v) for k, v in {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -265,10 +263,9 @@ def st_tensors(blob: bytes, widen: Any = None) -> tuple[dict[str, torch.Tensor],
     buf = np.frombuffer(blob, dtype=np.uint8)           # read-only for bytes: read, not viewed
     wide = [name for name, info in header.items()
             if widen is not None and info["dtype"] in ("BF16", "F16") and widen(meta, name)]
-    # The widened tensors in one block (one allocation, not one per tensor), from 1 MiB in
-    # reused memory (`host_empty`: fresh pages' faults were most of a large result's widening)
-    block = host_empty((sum((header[n]["data_offsets"][1] - header[n]["data_offsets"][0]) // 2 for n in wide),),
-                       torch.float32) if wide else None
+    # The widened tensors in one block (one allocation, not one per tensor)
+    block = torch.empty(sum((header[n]["data_offsets"][1] - header[n]["data_offsets"][0]) // 2 for n in wide),
+                        dtype=torch.float32) if wide else None
     at, wide = 0, set(wide)
     out = {}
     for name, info in header.items():
@@ -279,7 +276,7 @@ def st_tensors(blob: bytes, widen: Any = None) -> tuple[dict[str, torch.Tensor],
         if name in wide:
             # Widened in one pass from the bytes (a bfloat16 is a float32's upper half): a
             # copy, a uint32 temporary and a shift took 4.3 ms for 3 MB on the CI machine, this
-            # 2.9 into fresh memory
+            # 2.9, most of it the fresh block's page faults
             a = a.view(dt) if (data + start) % dt.itemsize == 0 else a.copy().view(dt)
             dst = block[at:at + a.size]
             at += a.size

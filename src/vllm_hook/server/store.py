@@ -79,13 +79,13 @@ class ResultStore:
     def put(self, data: bytes | StParts, local: bool = False) -> str | None:
         """Keep `data`; return its handle, or None when it alone exceeds the bound. `local`:
         in a file (`path`) where one can be written. `StParts` are written to the file from
-        their tensors, or else joined into one block of memory."""
+        their tensors, or else joined into bytes."""
         if len(data) > self.max_bytes:
             return None
         handle = secrets.token_urlsafe(18)   # unguessable: a handle is a read capability
         path = self._write(data) if local and self.local_dir is not None else None
         if path is None and isinstance(data, StParts):
-            data = data.joined()
+            data = data.to_bytes()
         gone: list[tuple[str, int]] = []
         with self._lock:
             self._expire(gone)
@@ -148,7 +148,7 @@ class ResultStore:
             item = self._items.get(handle)
         return item[2] if item else None
 
-    def get(self, handle: str) -> bytes | memoryview | None:
+    def get(self, handle: str) -> bytes | None:
         gone: list[tuple[str, int]] = []
         with self._lock:
             self._expire(gone)
@@ -159,7 +159,7 @@ class ResultStore:
             self.delete(handle)
         return data
 
-    def pop(self, handle: str) -> bytes | memoryview | None:
+    def pop(self, handle: str) -> bytes | None:
         """The result, removed: one round trip for a client that fetches it once."""
         item = self._take(handle)
         if not item:
@@ -241,7 +241,7 @@ class ResultStore:
             self._file_bytes -= item[3]
 
 
-def _read(item: tuple) -> bytes | memoryview | None:
+def _read(item: tuple) -> bytes | None:
     if item[2] is None:
         return item[1]
     try:
