@@ -240,7 +240,8 @@ def _read_local(entry: dict) -> memoryview | None:
     process is on the server's host and may read it; None otherwise (then it is fetched by
     handle). Whatever path a server names, only a regular file named as the server names
     result files, of the entry's size, is read (no link followed, no FIFO waited on). Read
-    into reused memory (`host_empty`), which returns to its pool once decoded."""
+    into reused memory from 1 MiB (`host_empty`), which returns to its pool once the
+    response's results are decoded."""
     path, size = entry.get(LOCAL), entry.get("bytes")
     if not (isinstance(path, str) and os.path.isabs(path) and os.path.basename(path).startswith(LOCAL_PREFIX)
             and isinstance(size, int)):
@@ -254,13 +255,17 @@ def _read_local(entry: dict) -> memoryview | None:
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             return None
         data = memoryview(host_empty((size,), torch.uint8).numpy())
-        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-            got = f.readinto(data)
+        got = 0
+        while got < size:                # (one read returns at most 2 GiB)
+            n = os.readv(fd, [data[got:]])
+            if n == 0:
+                return None
+            got += n
     except OSError:
         return None
     finally:
         os.close(fd)
-    return data if got == size else None
+    return data
 
 
 def _plan(entries: list[dict], local: bool) -> tuple[list[Any], list[int], list[str]]:
@@ -336,7 +341,7 @@ def _choices_for(entries: list[dict], response: Any) -> dict:
                                          for e in entries) else {}
 
 
-def _decode(entry: dict, data: bytes | None, choices: dict) -> Results:
+def _decode(entry: dict, data: bytes | memoryview | None, choices: dict) -> Results:
     """One entry's Results: its safetensors `data`, or (a "tokens" entry) its choice's tokens
     (`shown_tokens` of the response)."""
     if entry.get("format") == TOKENS:

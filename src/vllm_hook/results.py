@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import __version__
+from .delivery.spill import ST_DTYPES
 from .delivery.store import StParts, st_bytes, st_tensors
 from .delivery.hostmem import CHUNK_BYTES, copy_many, host_empty
 from .delivery.store import points_from_bytes
@@ -131,10 +132,14 @@ class Results:
         tensors, meta = self._payload(stacked, tokens)
         return st_bytes(tensors, meta)
 
-    def to_parts(self, stacked: bool = False, tokens: bool = True) -> StParts:
+    def to_parts(self, stacked: bool = False, tokens: bool = True) -> StParts | bytes:
         """`to_bytes`'s content not yet joined (a large served result: `server.encode`):
-        the same tensors and metadata, read by `from_bytes` alike."""
-        return StParts(*self._payload(stacked, tokens))
+        the same tensors and metadata, read by `from_bytes` alike; `to_bytes` itself where a
+        tensor's dtype has no safetensors name here (`spill.ST_DTYPES`: a hook's uint32)."""
+        tensors, meta = self._payload(stacked, tokens)
+        if all(t.dtype in ST_DTYPES for t in tensors.values()):
+            return StParts(tensors, meta)
+        return st_bytes(tensors, meta)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> "Results":

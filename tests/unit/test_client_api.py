@@ -259,47 +259,84 @@ def test_result_store_keeps_files_for_local_clients(tmp_path):
 
 
 def test_result_store_reuses_the_files_of_entries_gone(tmp_path):
-    """A file whose entry went (popped, deleted, expired) is kept under a name no entry holds
-    and swept at the next start, and the next result as large or smaller takes it over (its
-    pages: the same inode) under a name of its own, cut to its size; beyond the bound of kept
-    files they are deleted, and the server's exit removes them."""
+    """A file whose client is done with it (deleted, popped) is kept under a name no entry
+    holds, and the next result as large or up to half as large takes it over (its pages:
+    the same inode) under a name of its own, cut to its size. Never kept: a file whose entry
+    expired or was evicted, or that a fetch is reading (its reader may not be done). A kept
+    file that vanished, or was replaced, is not written: a new file instead. Beyond the bound
+    kept files are deleted; the server's exit removes them; a write that raises leaves
+    nothing behind."""
     import os
+    import weakref
+
+    import pytest
 
     from vllm_hook.server import store as store_mod
     from vllm_hook.server.store import LOCAL_PREFIX, ResultStore
 
+    def names():
+        return sorted(n for n in os.listdir(tmp_path) if n.startswith(LOCAL_PREFIX))
+
     now = [0.0]
     st = ResultStore(1000, 10, clock=lambda: now[0], local_dir=str(tmp_path))
     a = st.put(b"a" * 100, local=True)
-    inode = os.stat(st.path(a)).st_ino
-    assert st.pop(a) == b"a" * 100
-    kept = [n for n in os.listdir(tmp_path) if n.startswith(LOCAL_PREFIX)]
-    assert len(kept) == 1 and kept[0].startswith(f"{LOCAL_PREFIX}0-") and st._free_bytes == 100
-    b = st.put(b"b" * 60, local=True)                 # smaller: takes it over, cut to its size
+    pa = st.path(a)
+    inode = os.stat(pa).st_ino
+    assert st.pop(a) == b"a" * 100 and not os.path.exists(pa)
+    assert len(names()) == 1 and st._free_bytes == 100 and [f[3] for f in st._free] == [inode]
+    b = st.put(b"b" * 60, local=True)                 # up to half as large: takes it over, cut
     path = st.path(b)
-    assert os.stat(path).st_ino == inode and open(path, "rb").read() == b"b" * 60 and os.stat(path).st_mode & 0o777 == 0o600
-    assert st._free == [] and os.listdir(tmp_path) == [os.path.basename(path)]
-    c = st.put(b"c" * 80, local=True)                 # nothing kept that holds it: a new file
-    assert os.stat(st.path(c)).st_ino != inode
-    assert st.delete(b)
-    now[0] = 11                                        # c expires: its file is kept too
-    assert st.get(c) is None and len(st._free) == 2 and st.stats().bytes == 0
-    # beyond the bound, files are deleted
-    st._free_limit = 150
-    d = st.put(b"d" * 100, local=True)              # none kept holds 100 bytes: a new file
+    assert os.stat(path).st_ino == inode and open(path, "rb").read() == b"b" * 60
+    assert os.stat(path).st_mode & 0o777 == 0o600 and st._free == [] and names() == [os.path.basename(path)]
+    assert st.delete(b) and len(st._free) == 1
+    c = st.put(b"c" * 20, local=True)                 # under half the kept one's size: a new file
+    assert os.stat(st.path(c)).st_ino != inode and len(st._free) == 1
+    # expired (or evicted): deleted, never kept
+    pc = st.path(c)
+    now[0] = 11
+    assert st.get(c) is None and not os.path.exists(pc) and len(st._free) == 1
+    # a file a fetch is reading when its entry goes is deleted, not kept
+    d = st.put(b"d" * 60, local=True)                 # takes over the kept 60-byte file
     pd = st.path(d)
-    assert len(st._free) == 2 and st._free_bytes == 140
-    assert st.pop(d) == b"d" * 100 and not os.path.exists(pd)   # 140 + 100 > 150: deleted
-    assert len(st._free) == 2 and st._free_bytes == 140 and len(os.listdir(tmp_path)) == 2
-    # files kept for reuse (deadline 0 in their names) are swept when a server starts, and
-    # removed at the server's exit
-    store_mod._unlink_all(__import__("weakref").ref(st))
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(LOCAL_PREFIX)]
-    st2 = ResultStore(1000, 10, local_dir=str(tmp_path))
-    st2.pop(st2.put(b"e" * 10, local=True))
-    assert len(os.listdir(tmp_path)) == 1
-    ResultStore(1000, 10, local_dir=str(tmp_path))
-    assert not os.listdir(tmp_path)
+    assert os.stat(pd).st_ino == inode and st._free == []
+    st._reading[pd] = 1
+    assert st.delete(d) and not os.path.exists(pd) and st._free == [] and st._free_bytes == 0
+    del st._reading[pd]
+    # a kept file that vanished, or was replaced by another file, is not written
+    e = st.put(b"e" * 50, local=True)
+    st.delete(e)
+    os.unlink(st._free[0][1])
+    f = st.put(b"f" * 50, local=True)
+    assert open(st.path(f), "rb").read() == b"f" * 50 and st._free == [] and st._free_bytes == 0
+    st.delete(f)
+    kept = st._free[0][1]
+    os.unlink(kept)
+    other = tmp_path / "other"                    # the same name, another file (a second link
+    other.write_bytes(b"z" * 50)                  # to it): left as it is
+    os.link(other, kept)
+    g = st.put(b"g" * 50, local=True)
+    assert st.get(g) == b"g" * 50 and other.read_bytes() == b"z" * 50
+    os.unlink(other)
+    st._full_until = 0.0
+    for n in names():
+        os.unlink(tmp_path / n)
+    st.delete(g)
+    # beyond the bound (bytes), files are deleted
+    st._free, st._free_bytes, st._free_limit = [], 0, 150
+    h1, h2 = st.put(b"h" * 100, local=True), st.put(b"i" * 100, local=True)
+    p2 = st.path(h2)
+    st.delete(h1)
+    assert st.delete(h2) and not os.path.exists(p2) and st._free_bytes == 100 and len(names()) == 1
+    # a write that raises (not an OSError) leaves no file and no reservation
+    before = st._file_bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError):
+            st.put(b"j" * 120, local=True)             # (120: none kept fits: a new file)
+    assert st._file_bytes == before and len(names()) == 1
+    # the server's exit removes kept files too
+    store_mod._unlink_all(weakref.ref(st))
+    assert names() == []
 
 
 def test_client_reads_only_its_result_files(tmp_path):
@@ -318,6 +355,10 @@ def test_client_reads_only_its_result_files(tmp_path):
     good.write_bytes(b"abc")
     entry = {"handle": "hdl", "local": str(good), "bytes": 3, "data": None}
     assert client_mod._read_local(entry) == b"abc"
+    large = tmp_path / f"{LOCAL_PREFIX}12-large"           # from 1 MiB: into reused memory
+    payload = os.urandom(3 << 20)
+    large.write_bytes(payload)
+    assert bytes(client_mod._read_local({**entry, "local": str(large), "bytes": len(payload)})) == payload
     datas, fetch, release = client_mod._plan([entry, {"handle": "h2", "data": None}], True)
     assert datas[0] == b"abc" and fetch == [1] and release == ["hdl"]
     assert client_mod._plan([entry], False) == ([None], [0], [])

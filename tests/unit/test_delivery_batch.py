@@ -1016,6 +1016,13 @@ def test_st_parts_are_the_safetensors_bytes_of_their_tensors(tmp_path):
     finally:
         os.close(fd)
     assert (tmp_path / "r").read_bytes() == blob
+    # a dtype safetensors names but this layout does not (a hook's uint32): `to_bytes` instead
+    from vllm_hook.results import Results
+
+    r = Results(request_id="x", prompt_len=1, token_ids=[1, 2])
+    r.hook_results = [{"ids": torch.arange(3).to(torch.uint32)}]
+    got = r.to_parts()
+    assert isinstance(got, bytes) and torch.equal(Results.from_bytes(got).hook_results[0]["ids"], torch.arange(3).to(torch.uint32))
 
 
 def test_a_fetched_payload_nobody_reads_is_handed_back(tmp_path):

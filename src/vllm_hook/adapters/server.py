@@ -46,10 +46,11 @@ SERVED_ATTR = "_vllm_hook_served"
 BATCHER_ATTR = "_vllm_hook_fetcher"
 
 _ENCODER: ThreadPoolExecutor | None = None
-# Threads encoding large results: most of their time is the copy into a result's file or
-# block (`StParts`), which releases the GIL, so a batch's results are written side by side;
-# a quarter of the host's CPUs at most, leaving the rest to vLLM and the event loop.
-ENCODE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+# Threads encoding large results: a file-reading client's are written to their files from
+# their tensors (`StParts`), writes that release the GIL, so a batch's files are written side
+# by side (results kept in memory are serialised holding it, as on one thread); a quarter of
+# the CPUs this process may use, at most 4, leaving the rest to vLLM and the event loop.
+ENCODE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 
 
 def _encoder() -> ThreadPoolExecutor:

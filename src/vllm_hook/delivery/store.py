@@ -215,7 +215,8 @@ class StParts:
     straight from the tensors, where `st_bytes` made a bytes object of them first (fresh
     memory, its pages faulted in) that the API server then copied into the file: about 4 ms
     of its CPU for a 3.1 MB result on the CI machine. Tensors are laid out widest dtype
-    first, as safetensors does, so that each starts aligned."""
+    first (as safetensors does; by name within a width it sorts too, which this does not
+    need), so that each starts aligned."""
 
     __slots__ = ("header", "parts", "size")
 
@@ -234,7 +235,7 @@ class StParts:
         return self.size
 
     def write(self, fd: int) -> None:
-        """Into file `fd` (new pages: `write_new`)."""
+        """Into file `fd`, from its start (`write_new`: write calls)."""
         write_new(fd, [(torch.frombuffer(bytearray(self.header), dtype=torch.uint8), 0), *self.parts])
 
     def to_bytes(self) -> bytes:

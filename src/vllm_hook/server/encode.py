@@ -187,9 +187,9 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
     if ready is not None and ready.stacked == stacked and ready.nbytes <= cfg.max_inline_result_bytes:
         return {"index": index, "format": FORMAT, "bytes": ready.nbytes, "data": ready.data,
                 "handle": None, "errors": list(r.errors), "tokens": CHOICE}
-    # Too large to inline (its activations alone) and for a client that reads files: its
-    # bytes written to its file from the tensors (`StParts`), never made in one piece here.
-    # In memory they are one bytes object, which a fetch sends without a copy.
+    # Too large to inline (its activations alone) and for a client that reads files: written
+    # to its file from the tensors (`StParts`), no bytes object made of them first. In memory
+    # a result is one bytes object, which a fetch sends without a copy.
     data = (r.to_parts(stacked, tokens=not choice)
             if local and cfg.local_results and result_nbytes(r) > cfg.max_inline_result_bytes
             else r.to_bytes(stacked, tokens=not choice))

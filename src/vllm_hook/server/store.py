@@ -10,17 +10,22 @@ reads without HTTP and then releases. Reading 3 MB through the async HTTP client
 CPU time (docs/benchmarks.md, runs 153 to 155 and "Stop 65"). A file's name holds its deadline
 and a random token, not its handle (the directory can be listed by anyone on the host; the
 handle is the read capability). The file's bytes count as the entry's (shared memory is RAM),
-and files take at most a quarter of their file system (`spill.keep_limit`: other programs'
-shared memory must not find it full). Where a file cannot be written (no such directory, no
+and results' files take at most a quarter of their file system (`spill.keep_limit`: other
+programs' shared memory must not find it full), files kept for reuse (below) at most a
+quarter of that more. Where a file cannot be written (no such directory, no
 room, `local_results` off) the bytes stay in memory and the entry has no path: the client
 fetches it as before. HTTP fetches of a file-backed entry read the file.
 
-A file whose entry goes (released, fetched, deleted, expired, evicted) is kept for the next
-result instead of deleted, up to `FREE_KEEP_BYTES` (a quarter of the files' bound where that
-is less): renamed to a name no entry holds (deadline 0), it keeps its pages, and a later
-result claims it by renaming it to that result's name and writes into those pages, where a
-new file's pages are each allocated and zeroed by the kernel first (3.1 MB: about 4 ms of
-the writer's CPU on the CI machine, most of a served every-token result's cost there).
+A file whose client is done with it (released, deleted, or fetched over HTTP by `pop`) is
+kept for a later result instead of deleted, up to `FREE_KEEP_BYTES` (a quarter of the files'
+bound where that is less, beyond it): renamed to a name no entry holds, it keeps its pages,
+and a later result at most half its size smaller claims it by renaming it to that result's
+name and writes into those pages, where a new file's pages are each allocated and zeroed by
+the kernel first (3.1 MB: about 4 ms of the writer's CPU on the CI machine, most of a served
+every-token result's cost there). Only then: a file whose entry expired or was evicted, or
+that a fetch of the server is reading, may still be read by its reader, and is deleted (the
+reader keeps what it read); a claimed file is written only if it is still the one kept (a
+regular file of this user's, one link, the same inode).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
+import stat
 import threading
 import time
 import weakref
@@ -63,7 +69,8 @@ class ResultStore:
         self._file_bytes = 0
         self._dropped = 0            # expired or evicted before anyone fetched them
         self._full_until = 0.0
-        self._free: list[tuple[int, str]] = []        # files kept for reuse: (size, path)
+        self._free: list[tuple[int, str, int, int]] = []   # kept for reuse: (size, path, dev, inode)
+        self._reading: dict[str, int] = {}                  # paths a fetch is reading: how many
         self._free_bytes = 0
         self._free_limit = 0
         self._lock = threading.Lock()  # puts may come from encoding threads
@@ -86,14 +93,14 @@ class ResultStore:
         path = self._write(data) if local and self.local_dir is not None else None
         if path is None and isinstance(data, StParts):
             data = data.to_bytes()
-        gone: list[tuple[str, int]] = []
+        gone: list[str] = []
         with self._lock:
             self._expire(gone)
             while self._items and self._bytes + len(data) > self.max_bytes:
                 self._drop(next(iter(self._items)), gone)
             self._items[handle] = (self._clock() + self.ttl_s, None if path else data, path, len(data))
             self._bytes += len(data)
-        self._retire(gone)
+        _remove_each(gone)
         return handle
 
     def _write(self, data: bytes | StParts) -> str | None:
@@ -103,44 +110,43 @@ class ResultStore:
             if self._clock() < self._full_until or self._file_bytes + len(data) > self._file_limit:
                 return None
             self._file_bytes += len(data)           # reserved; given back below if unwritten
-            claim = min((f for f in self._free if f[0] >= len(data)), default=None)
+            claim = min((f for f in self._free if len(data) <= f[0] <= 2 * len(data)), default=None)
             if claim is not None:
                 self._free.remove(claim)
                 self._free_bytes -= claim[0]
-        name = f"{LOCAL_PREFIX}{int(time.time() + self.ttl_s) + 1}-{secrets.token_urlsafe(12)}"
-        path = os.path.join(self.local_dir, name)
+        path = os.path.join(self.local_dir, self._name())
+        fd = None
         try:
-            fd = None
             if claim is not None:
-                try:
-                    os.rename(claim[1], path)       # its pages, under this result's name
-                    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    os.ftruncate(fd, len(data))
-                except OSError:                     # removed behind the server's back
-                    if fd is not None:
-                        os.close(fd)
-                    remove_quietly(path)
-                    fd = None
+                fd = _claimed(claim, path)
             if fd is None:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                if isinstance(data, StParts):
-                    data.write(fd)
-                else:
-                    view = memoryview(data)
-                    while len(view):
-                        view = view[os.write(fd, view):]
-            except OSError:
+            if claim is not None:
+                os.ftruncate(fd, len(data))
+            if isinstance(data, StParts):
+                data.write(fd)
+            else:
+                view = memoryview(data)
+                while len(view):
+                    view = view[os.write(fd, view):]
+        except BaseException as e:
+            if fd is not None:          # (a file this store made or claimed under this name)
                 remove_quietly(path)
-                raise
-            finally:
-                os.close(fd)
-        except OSError:              # full (a container's 64 MB /dev/shm): memory for a while
             with self._lock:
                 self._file_bytes -= len(data)
-                self._full_until = self._clock() + FULL_BACKOFF_S
-            return None
+                if isinstance(e, OSError):     # full (a container's 64 MB /dev/shm): memory for a while
+                    self._full_until = self._clock() + FULL_BACKOFF_S
+            if isinstance(e, OSError):
+                return None
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)
         return path
+
+    def _name(self) -> str:
+        """A file name of this store's: its deadline and a random token (no handle)."""
+        return f"{LOCAL_PREFIX}{int(time.time() + self.ttl_s) + 1}-{secrets.token_urlsafe(12)}"
 
     def path(self, handle: str) -> str | None:
         """The file holding the entry `handle`, if it is kept as one."""
@@ -149,12 +155,21 @@ class ResultStore:
         return item[2] if item else None
 
     def get(self, handle: str) -> bytes | None:
-        gone: list[tuple[str, int]] = []
+        gone: list[str] = []
         with self._lock:
             self._expire(gone)
             item = self._items.get(handle)
-        self._retire(gone)
-        data = _read(item) if item else None
+            if item and item[2]:             # not kept for reuse while read (`_retire`)
+                self._reading[item[2]] = self._reading.get(item[2], 0) + 1
+        _remove_each(gone)
+        try:
+            data = _read(item) if item else None
+        finally:
+            if item and item[2]:
+                with self._lock:
+                    left = self._reading.pop(item[2]) - 1
+                    if left:
+                        self._reading[item[2]] = left
         if item and data is None:    # its file removed behind the server's back
             self.delete(handle)
         return data
@@ -166,58 +181,60 @@ class ResultStore:
             return None
         data = _read(item)
         if item[2]:
-            self._retire([(item[2], item[3])])
+            self._retire(item[2], item[3])
         return data
 
     def delete(self, handle: str) -> bool:
+        """The entry removed (its client is done with it: its file may be kept for reuse)."""
         item = self._take(handle)
         if item and item[2]:
-            self._retire([(item[2], item[3])])
+            self._retire(item[2], item[3])
         return item is not None
 
     def _take(self, handle: str) -> tuple | None:
-        gone: list[tuple[str, int]] = []
+        gone: list[str] = []
         with self._lock:
             self._expire(gone)
             item = self._items.pop(handle, None)
             if item:
                 self._forget(item)
-        self._retire(gone)
+        _remove_each(gone)
         return item
 
-    def _retire(self, files: list[tuple[str, int]]) -> None:
-        """Files of entries gone, (path, size) each: kept for reuse within the bound (under
-        a name no entry holds, swept at the next start), else deleted. Not under the lock:
-        a rename, and freeing a large file's pages, take a while."""
-        for path, size in files:
-            with self._lock:
-                keep = (self._free_bytes + size <= self._free_limit and len(self._free) < FREE_KEEP_FILES)
-                if keep:
-                    self._free_bytes += size                   # reserved
+    def _retire(self, path: str, size: int) -> None:
+        """The file of an entry its client is done with: kept for reuse within the bound and
+        unless a fetch is reading it (under a name no entry holds), else deleted. Not under
+        the lock: a rename, and freeing a large file's pages, take a while."""
+        with self._lock:
+            keep = (path not in self._reading and self._free_bytes + size <= self._free_limit
+                    and len(self._free) < FREE_KEEP_FILES)
             if keep:
-                free = os.path.join(os.path.dirname(path), f"{LOCAL_PREFIX}0-{secrets.token_urlsafe(12)}")
-                try:
-                    os.rename(path, free)
-                except OSError:                                 # removed behind the server's back
-                    keep = False
-                with self._lock:
-                    if keep:
-                        self._free.append((size, free))
-                    else:
-                        self._free_bytes -= size
-            if not keep:
-                remove_quietly(path)
+                self._free_bytes += size                   # reserved
+        if keep:
+            free = os.path.join(os.path.dirname(path), self._name())
+            try:
+                os.rename(path, free)
+                st = os.stat(free, follow_symlinks=False)
+            except OSError:                                 # removed behind the server's back
+                keep = False
+            with self._lock:
+                if keep:
+                    self._free.append((size, free, st.st_dev, st.st_ino))
+                else:
+                    self._free_bytes -= size
+        if not keep:
+            remove_quietly(path)
 
     def stats(self) -> StoreStats:
-        gone: list[tuple[str, int]] = []
+        gone: list[str] = []
         with self._lock:
             self._expire(gone)
             out = StoreStats(len(self._items), self._bytes, self.max_bytes, self.ttl_s, self._dropped,
                              sum(1 for item in self._items.values() if item[2]))
-        self._retire(gone)
+        _remove_each(gone)
         return out
 
-    def _expire(self, gone: list[tuple[str, int]]) -> None:
+    def _expire(self, gone: list[str]) -> None:
         now = self._clock()
         # Insertion order is expiry order (one TTL for all), so stop at the first live entry.
         while self._items:
@@ -226,14 +243,14 @@ class ResultStore:
                 break
             self._drop(handle, gone)
 
-    def _drop(self, handle: str, gone: list[tuple[str, int]]) -> None:
-        """Under the lock: the entry forgotten, its file added to `gone` (retired by the
-        caller after the lock, `_retire`)."""
+    def _drop(self, handle: str, gone: list[str]) -> None:
+        """Under the lock: the entry forgotten, its file's path added to `gone` (deleted by
+        the caller after the lock, never kept: its reader may not be done)."""
         item = self._items.pop(handle)
         self._forget(item)
         self._dropped += 1
         if item[2]:
-            gone.append((item[2], item[3]))
+            gone.append(item[2])
 
     def _forget(self, item: tuple) -> None:
         self._bytes -= item[3]
@@ -251,13 +268,36 @@ def _read(item: tuple) -> bytes | None:
         return None
 
 
+def _claimed(kept: tuple[int, str, int, int], path: str) -> int | None:
+    """A kept file (size, path, dev, inode) renamed to `path` and opened for writing, or None
+    (it vanished, or what is there now is not it: left alone)."""
+    try:
+        os.rename(kept[1], path)
+    except OSError:
+        return None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+            and (st.st_dev, st.st_ino) == kept[2:]):
+        return fd
+    os.close(fd)
+    return None
+
+
+def _remove_each(paths: list[str]) -> None:
+    for p in paths:
+        remove_quietly(p)
+
+
 def _unlink_all(ref: weakref.ref) -> None:
     store = ref()
     if store is not None:
         with store._lock:
-            paths = [item[2] for item in store._items.values() if item[2]] + [p for _, p in store._free]
-        for p in paths:
-            remove_quietly(p)
+            paths = [item[2] for item in store._items.values() if item[2]] + [f[1] for f in store._free]
+        _remove_each(paths)
 
 
 def _sweep_expired(directory: str) -> None:
