@@ -266,12 +266,11 @@ def test_result_store_reuses_the_files_of_entries_gone(tmp_path):
     file that vanished, or was replaced, is not written: a new file instead. Beyond the bound
     kept files are deleted; the server's exit removes them; a write that raises leaves
     nothing behind."""
+    import gc
     import os
-    import weakref
 
     import pytest
 
-    from vllm_hook.server import store as store_mod
     from vllm_hook.server.store import LOCAL_PREFIX, ResultStore
 
     def names():
@@ -322,7 +321,8 @@ def test_result_store_reuses_the_files_of_entries_gone(tmp_path):
         os.unlink(tmp_path / n)
     st.delete(g)
     # beyond the bound (bytes), files are deleted
-    st._free, st._free_bytes, st._free_limit = [], 0, 150
+    st._free.clear()                               # (the finalizer holds this list)
+    st._free_bytes, st._free_limit = 0, 150
     h1, h2 = st.put(b"h" * 100, local=True), st.put(b"i" * 100, local=True)
     p2 = st.path(h2)
     st.delete(h1)
@@ -334,8 +334,22 @@ def test_result_store_reuses_the_files_of_entries_gone(tmp_path):
         with pytest.raises(RuntimeError):
             st.put(b"j" * 120, local=True)             # (120: none kept fits: a new file)
     assert st._file_bytes == before and len(names()) == 1
-    # the server's exit removes kept files too
-    store_mod._unlink_all(weakref.ref(st))
+    # the store's finalizer (when it is collected, or at exit) removes kept files too
+    st._free_limit = 1000
+    k = st.put(b"k" * 10, local=True)
+    st.delete(st.put(b"l" * 10, local=True))
+    assert st.path(k) and len(st._free) == 2
+    st._finalizer()
+    assert names() == []
+
+    def used_and_dropped():
+        other = ResultStore(1000, 10, local_dir=str(tmp_path))
+        other.delete(other.put(b"m" * 10, local=True))
+        other.put(b"n" * 30, local=True)             # (none kept holds it: a file of its own)
+        assert len(names()) == 2
+
+    used_and_dropped()
+    gc.collect()
     assert names() == []
 
 

@@ -30,7 +30,6 @@ regular file of this user's, one link, the same inode).
 
 from __future__ import annotations
 
-import atexit
 import os
 import secrets
 import stat
@@ -80,8 +79,9 @@ class ResultStore:
             self._file_limit = keep_limit(self.local_dir)
             self._free_limit = min(FREE_KEEP_BYTES, self._file_limit // 4)
             _sweep_expired(self.local_dir)
-            # Files left at exit would hold shared memory until the host reboots.
-            atexit.register(_unlink_all, weakref.ref(self))
+            # Files left behind would hold shared memory until the host reboots: removed when
+            # the store goes, or at exit (a finalizer holds the store's containers, not it)
+            self._finalizer = weakref.finalize(self, _remove_files, self._items, self._free, self._lock)
 
     def put(self, data: bytes | StParts, local: bool = False) -> str | None:
         """Keep `data`; return its handle, or None when it alone exceeds the bound. `local`:
@@ -292,12 +292,11 @@ def _remove_each(paths: list[str]) -> None:
         remove_quietly(p)
 
 
-def _unlink_all(ref: weakref.ref) -> None:
-    store = ref()
-    if store is not None:
-        with store._lock:
-            paths = [item[2] for item in store._items.values() if item[2]] + [f[1] for f in store._free]
-        _remove_each(paths)
+def _remove_files(items: dict, free: list, lock: threading.Lock) -> None:
+    """A store's files: its entries' and those kept for reuse."""
+    with lock:
+        paths = [item[2] for item in items.values() if item[2]] + [f[1] for f in free]
+    _remove_each(paths)
 
 
 def _sweep_expired(directory: str) -> None:
