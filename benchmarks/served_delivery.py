@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -152,7 +153,9 @@ def main() -> None:
                "mb_per_result_bf16": round(4 * args.rows * args.hidden * 2 / 1e6, 2), "rounds": args.rounds,
                **asyncio.run(measure(url, args.results, args.rounds, proc.pid)), "host": host_probe(), "cpus": os.cpu_count()}
     finally:
-        proc.terminate()
+        # SIGINT: uvicorn stops, and the process exits as a server does (its result store's
+        # files removed); after SIGTERM uvicorn re-raises it, and the process dies at once
+        proc.send_signal(signal.SIGINT)
         proc.wait(30)
     print(json.dumps(res, indent=1))
     if args.out:
