@@ -28,7 +28,8 @@ plugin's), larger ones by handle: the client, on the server's host, reads each f
 and releases a response's in one call (`local_results`, docs/serve.md); with
 `--deliveries http` it fetches and deletes each over HTTP in one round trip, as a client on
 another host does; `--deliveries files http` times each workload both ways on the same servers
-(a client of each kind; one server start).
+(a client of each kind; one server start; the two take turns at going first, batch size by
+batch size).
 The client keeps no connection alive (`--client-limits async-client`: `vllm_hook.AsyncClient`'s
 own pool, 20 kept). "MB / extra s" is the hooked batch's activation bytes over its median extra
 time: the bandwidth at which moving the results alone would explain the extra.
@@ -298,11 +299,12 @@ async def bench(args, model: str, cfg: dict, result: Record) -> None:
             gc.collect()
             gc.freeze()
         wl = workloads(cfg["num_hidden_layers"])
-        for b in args.batches:
+        for k, b in enumerate(args.batches):
             n, rest = b.split("x")
             plen, gen = rest.split("+")
             for name in args.workloads:
-                for d in args.deliveries:
+                # the ways of delivery take turns at going first, batch size by batch size
+                for d in args.deliveries if k % 2 == 0 else args.deliveries[::-1]:
                     case = await run_case({**drivers, "plugin": plugin[d]}, name, wl[name], int(n), int(plen),
                                           int(gen), args.reps, cfg["vocab_size"])
                     result["cases"].append({**case, "delivery": d})
@@ -340,6 +342,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     ap.add_argument("--smoke-layers", type=int, default=4, help="--smoke: layers of the tiny Qwen2")
     args = ap.parse_args()
+    args.deliveries = list(dict.fromkeys(args.deliveries))
     if args.smoke:
         from vllm_hook.testing.tiny_models import tiny_model
 

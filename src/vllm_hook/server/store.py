@@ -17,15 +17,15 @@ room, `local_results` off) the bytes stay in memory and the entry has no path: t
 fetches it as before. HTTP fetches of a file-backed entry read the file.
 
 A file whose client is done with it (released, deleted, or fetched over HTTP by `pop`) is
-kept for a later result instead of deleted, up to `FREE_KEEP_BYTES` (a quarter of the files'
-bound where that is less, beyond it): renamed to a name no entry holds, it keeps its pages,
-and a later result at most half its size smaller claims it by renaming it to that result's
-name and writes into those pages, where a new file's pages are each allocated and zeroed by
-the kernel first (3.1 MB: about 4 ms of the writer's CPU on the CI machine, most of a served
-every-token result's cost there). Only then: a file whose entry expired or was evicted, or
-that a fetch of the server is reading, may still be read by its reader, and is deleted (the
-reader keeps what it read); a claimed file is written only if it is still the one kept (a
-regular file of this user's, one link, the same inode).
+kept for a later result instead of deleted, up to `FREE_KEEP_BYTES` (or a quarter of the
+files' bound where that is less) on top of that bound: renamed to a name no entry holds, it
+keeps its pages, and a later result as large or up to half as large claims it by renaming it
+to that result's name and writes into those pages, where a new file's pages are each
+allocated and zeroed by the kernel first (3.1 MB: about 4 ms of the writer's CPU on the CI
+machine, most of a served every-token result's cost there). Never kept: a file whose entry
+expired or was evicted, or that a fetch of the server is reading, whose reader may not be
+done: it is deleted (the reader keeps what it opened). A claimed file is written only if it
+is still the one kept (a regular file of this user's, one link, the same inode).
 """
 
 from __future__ import annotations
