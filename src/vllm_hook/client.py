@@ -31,7 +31,7 @@ import msgspec
 import pybase64
 import torch
 
-from .delivery.hostmem import host_empty
+from .delivery.hostmem import host_empty, read_into
 from .hooks.hook import Hook
 from .hooks.state import decode_collected
 from .results import Results
@@ -254,18 +254,13 @@ def _read_local(entry: dict) -> memoryview | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             return None
-        data = memoryview(host_empty((size,), torch.uint8).numpy())
-        got = 0
-        while got < size:                # (one read returns at most 2 GiB)
-            n = os.readv(fd, [data[got:]])
-            if n == 0:
-                return None
-            got += n
+        buf = host_empty((size,), torch.uint8)
+        read_into(fd, buf)               # whole (OSError: the file ended early)
     except OSError:
         return None
     finally:
         os.close(fd)
-    return data
+    return memoryview(buf.numpy())
 
 
 def _plan(entries: list[dict], local: bool) -> tuple[list[Any], list[int], list[str]]:
