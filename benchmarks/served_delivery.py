@@ -78,7 +78,7 @@ def _cpu(pid: int) -> float:
     return t.user + t.system
 
 
-async def measure(url: str, n: int, rounds: int, pid: int) -> dict:
+async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | None = None) -> dict:
     import httpx
 
     from vllm_hook import AsyncClient
@@ -88,20 +88,25 @@ async def measure(url: str, n: int, rounds: int, pid: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         for _ in range(rounds + 1):                # the first round warms up, untimed
             for local in (True, False):
+                k = per_response or n
                 s0 = _cpu(pid)
-                r = await http.post(f"/bench/make?n={n}&local={int(local)}")
+                rs = [await http.post(f"/bench/make?n={min(k, n - at)}&local={int(local)}") for at in range(0, n, k)]
                 s1 = _cpu(pid)
-                assert r.status_code == 200, r.text[:2000]
-                resp = r.json()
-                entries = resp["vllm_hook"]["results"]
+                assert all(r.status_code == 200 for r in rs), rs[0].text[:2000]
+                resps = [r.json() for r in rs]
+                entries = [e for resp in resps for e in resp["vllm_hook"]["results"]]
                 # (a /dev/shm too small for a quarter of the batch keeps some in memory)
                 assert all(e["handle"] for e in entries) and (local or not any(e.get("local") for e in entries))
                 if local:
                     files.append(sum(bool(e.get("local")) for e in entries))
                 client = AsyncClient(url, http=http, local_results=local)
                 t, c = time.perf_counter(), time.process_time()
-                got = await client.results_of(resp)
-                wall, cpu = time.perf_counter() - t, time.process_time() - c
+                # (responses of `per_response` results: each response's results at once, as
+                # concurrent requests' responses arrive)
+                got = [g for gs in await asyncio.gather(*(client.results_of(resp) for resp in resps)) for g in gs]
+                wall = time.perf_counter() - t         # the results in hand
+                await client.release_pending()         # (the release, in the background: its CPU counted)
+                cpu = time.process_time() - c
                 server = (s1 - s0, _cpu(pid) - s1)
                 assert len(got) == n and all(g.ok and g.activations["resid_post"][4].dtype.is_floating_point
                                              for g in got)
@@ -124,6 +129,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256, help="rows per layer (prompt + generated)")
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--per-response", type=int, help="results per response (default: all in one), the "
+                    "responses' results read at once: 1 is a served batch's (one result per request)")
     ap.add_argument("--out")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -149,9 +156,9 @@ def main() -> None:
             raise SystemExit(f"the benchmark's server did not answer at {url} within 30 s")
         from run import host_probe
 
-        res = {"results": args.results, "rows": args.rows, "hidden": args.hidden,
+        res = {"results": args.results, "per_response": args.per_response or args.results, "rows": args.rows, "hidden": args.hidden,
                "mb_per_result_bf16": round(4 * args.rows * args.hidden * 2 / 1e6, 2), "rounds": args.rounds,
-               **asyncio.run(measure(url, args.results, args.rounds, proc.pid)), "host": host_probe(), "cpus": os.cpu_count()}
+               **asyncio.run(measure(url, args.results, args.rounds, proc.pid, args.per_response)), "host": host_probe(), "cpus": os.cpu_count()}
     finally:
         # SIGINT: uvicorn stops, and the process exits as a server does (its result store's
         # files removed); after SIGTERM uvicorn re-raises it, and the process dies at once

@@ -158,6 +158,21 @@ def test_large_results_travel_by_handle_and_are_deleted(server, client, refs):
         _check_case("capture_all", out, refs)
         # The client fetched or released the handle: deleted.
         assert httpx.get(f"{server.url}/v1/hook/results/{entry['handle']}", headers=head).status_code == 404
+    # AsyncClient: concurrent responses' files read, their handles released in the
+    # background, in as few calls as came (`release_pending`, or closing the client, waits)
+    async def concurrent():
+        async with vllm_hook.AsyncClient(server.url, api_key=API_KEY, local_results=True) as ac:
+            outs = await asyncio.gather(*(ac.generate(ids, spec, max_tokens=n, temperature=0) for _ in range(4)))
+            await ac.release_pending()
+            gone = [e for o in outs for e in o.raw["vllm_hook"]["results"]]
+            late = await asyncio.gather(*(ac.generate(ids, spec, max_tokens=n, temperature=0) for _ in range(3)))
+        return outs + late, gone, [e for o in late for e in o.raw["vllm_hook"]["results"]]
+    outs, released, closed = asyncio.run(concurrent())
+    for out in outs:
+        _check_case("capture_all", out, refs)
+    for entry in released + closed:           # the second lot released by closing the client
+        assert entry["local"] and not os.path.exists(entry["local"])
+        assert httpx.get(f"{server.url}/v1/hook/results/{entry['handle']}", headers=head).status_code == 404
     # Asked for by a client that cannot read the file (another host): fetched over HTTP.
     body = {"model": tiny_model("qwen2"), "prompt": ids, "max_tokens": n, "temperature": 0,
             "vllm_xargs": {"vllm_hook": json.dumps(spec)}}

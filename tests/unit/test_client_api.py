@@ -392,3 +392,51 @@ def test_client_reads_only_its_result_files(tmp_path):
         assert client_mod._loopback(httpx.URL(url)) is local, url
         assert client_mod.Client(url).local_results is local
         assert client_mod.Client(url, local_results=not local).local_results is not local
+
+
+def test_fetched_bodies_are_received_whole_into_reused_memory():
+    """A result fetched by handle from 1 MiB is received into reused memory as its pieces
+    come (`client._Body`), by both clients; a body shorter or longer than its content-length
+    is an error, and a small or content-encoded one is read as bytes."""
+    import asyncio
+    import os
+
+    import httpx
+
+    from vllm_hook import client as client_mod
+
+    payload = os.urandom(3 << 20)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        name = request.url.path.rsplit("/", 1)[-1]
+        if name == "short":
+            return httpx.Response(200, headers={"content-length": str(len(payload) + 5)},
+                                  stream=httpx.ByteStream(payload))
+        if name == "long":
+            return httpx.Response(200, headers={"content-length": str(len(payload) - 5)},
+                                  stream=httpx.ByteStream(payload))
+        if name == "small":
+            return httpx.Response(200, content=b"abc")
+        if name == "missing":
+            return httpx.Response(404, json={"error": {"message": "no such result"}})
+        return httpx.Response(200, headers={"content-length": str(len(payload))}, stream=httpx.ByteStream(payload))
+
+    sync = client_mod.Client("http://127.0.0.1:1", http=httpx.Client(base_url="http://127.0.0.1:1",
+                                                                      transport=httpx.MockTransport(handler)))
+    got = sync._fetch("whole")
+    assert isinstance(got, memoryview) and bytes(got) == payload
+    assert sync._fetch("small") == b"abc"
+    for bad in ("short", "long"):
+        with pytest.raises(client_mod.ServerError, match="content-length|ended at"):
+            sync._fetch(bad)
+    with pytest.raises(client_mod.NotFoundError):
+        sync._fetch("missing")
+
+    async def asynchronous():
+        http = httpx.AsyncClient(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(handler))
+        async with client_mod.AsyncClient("http://127.0.0.1:1", http=http) as ac:
+            whole = await ac._fetch("whole")
+            with pytest.raises(client_mod.ServerError, match="ended at"):
+                await ac._fetch("short")
+            return whole
+    assert bytes(asyncio.run(asynchronous())) == payload
