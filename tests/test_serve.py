@@ -167,7 +167,12 @@ def test_large_results_travel_by_handle_and_are_deleted(server, client, refs):
             gone = [e for o in outs for e in o.raw["vllm_hook"]["results"]]
             late = await asyncio.gather(*(ac.generate(ids, spec, max_tokens=n, temperature=0) for _ in range(3)))
         return outs + late, gone, [e for o in late for e in o.raw["vllm_hook"]["results"]]
+    async def left_open():                  # the loop ends first: released as it ends
+        ac = vllm_hook.AsyncClient(server.url, api_key=API_KEY, local_results=True)
+        return await ac.generate(ids, spec, max_tokens=n, temperature=0)
     outs, released, closed = asyncio.run(concurrent())
+    outs.append(asyncio.run(left_open()))
+    closed += outs[-1].raw["vllm_hook"]["results"]
     for out in outs:
         _check_case("capture_all", out, refs)
     for entry in released + closed:           # the second lot released by closing the client

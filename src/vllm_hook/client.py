@@ -665,13 +665,35 @@ class AsyncClient(_Core):
             self._releasing = asyncio.get_running_loop().create_task(self._release_queued())
 
     async def _release_queued(self) -> None:
-        await asyncio.sleep(0)      # the responses read in this turn of the loop go in one call
-        while self._to_release:
-            handles, self._to_release = self._to_release, []
+        handles: list[str] = []
+        try:
+            await asyncio.sleep(0)      # the responses read in this turn of the loop go in one call
+            while self._to_release:
+                handles, self._to_release = self._to_release, []
+                for body in _releases(handles):
+                    try:
+                        _released(body, await self._call("POST", RELEASE_PATH, **_as_json(body)))
+                    except Exception as e:      # a warning: the server drops them after result_ttl_s
+                        _released(body, e)
+                handles = []
+        except asyncio.CancelledError:
+            # The event loop is ending (asyncio.run returned with the client open): released
+            # now, blocking, rather than left on the server until result_ttl_s (a handle
+            # released twice is not counted twice).
+            self._release_blocking(handles + self._to_release)
+            self._to_release = []
+            raise
+
+    def _release_blocking(self, handles: list[str]) -> None:
+        if not handles:
+            return
+        with httpx.Client(base_url=self._http.base_url, headers=self._http.headers, timeout=10) as http:
             for body in _releases(handles):
                 try:
-                    _released(body, await self._call("POST", RELEASE_PATH, **_as_json(body)))
-                except Exception as e:      # a warning: the server drops them after result_ttl_s
+                    resp = http.post(RELEASE_PATH, **_as_json(body))
+                    _raise_for(resp)
+                    _released(body, resp)
+                except Exception as e:
                     _released(body, e)
 
     async def _call(self, method: str, path: str, **kw) -> httpx.Response:
