@@ -92,7 +92,7 @@ async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | N
                 s0 = _cpu(pid)
                 rs = [await http.post(f"/bench/make?n={min(k, n - at)}&local={int(local)}") for at in range(0, n, k)]
                 s1 = _cpu(pid)
-                assert all(r.status_code == 200 for r in rs), rs[0].text[:2000]
+                assert all(r.status_code == 200 for r in rs), next(r.text[:2000] for r in rs if r.status_code != 200)
                 resps = [r.json() for r in rs]
                 entries = [e for resp in resps for e in resp["vllm_hook"]["results"]]
                 # (a /dev/shm too small for a quarter of the batch keeps some in memory)

@@ -159,7 +159,8 @@ def test_large_results_travel_by_handle_and_are_deleted(server, client, refs):
         # The client fetched or released the handle: deleted.
         assert httpx.get(f"{server.url}/v1/hook/results/{entry['handle']}", headers=head).status_code == 404
     # AsyncClient: concurrent responses' files read, their handles released in the
-    # background, in as few calls as came (`release_pending`, or closing the client, waits)
+    # background (`release_pending`, or closing the client, waits; the event loop's end
+    # releases what is left)
     async def concurrent():
         async with vllm_hook.AsyncClient(server.url, api_key=API_KEY, local_results=True) as ac:
             outs = await asyncio.gather(*(ac.generate(ids, spec, max_tokens=n, temperature=0) for _ in range(4)))
@@ -170,9 +171,15 @@ def test_large_results_travel_by_handle_and_are_deleted(server, client, refs):
     async def left_open():                  # the loop ends first: released as it ends
         ac = vllm_hook.AsyncClient(server.url, api_key=API_KEY, local_results=True)
         return await ac.generate(ids, spec, max_tokens=n, temperature=0)
+    async def cancelled_at_once():           # its release task cancelled before its first step
+        ac = vllm_hook.AsyncClient(server.url, api_key=API_KEY, local_results=True)
+        out = await ac.generate(ids, spec, max_tokens=n, temperature=0)
+        ac._releasing.cancel()
+        await asyncio.sleep(0.1)
+        return out
     outs, released, closed = asyncio.run(concurrent())
-    outs.append(asyncio.run(left_open()))
-    closed += outs[-1].raw["vllm_hook"]["results"]
+    outs += [asyncio.run(left_open()), asyncio.run(cancelled_at_once())]
+    closed += [e for o in outs[-2:] for e in o.raw["vllm_hook"]["results"]]
     for out in outs:
         _check_case("capture_all", out, refs)
     for entry in released + closed:           # the second lot released by closing the client

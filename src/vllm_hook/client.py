@@ -293,13 +293,13 @@ class _Body:
     def add(self, chunk: bytes) -> None:
         end = self.at + len(chunk)
         if end > len(self.buf):
-            raise ServerError(502, f"a result's body ran past its content-length ({len(self.buf)} bytes)", None)
+            raise httpx.RemoteProtocolError(f"a result's body ran past its content-length ({len(self.buf)} bytes)")
         self.buf[self.at:end] = chunk
         self.at = end
 
     def done(self) -> memoryview:
         if self.at != len(self.buf):
-            raise ServerError(502, f"a result's body ended at {self.at} of {len(self.buf)} bytes", None)
+            raise httpx.RemoteProtocolError(f"a result's body ended at {self.at} of {len(self.buf)} bytes")
         return self.buf
 
 
@@ -633,6 +633,7 @@ class AsyncClient(_Core):
                                                timeout=timeout, limits=ASYNC_LIMITS)
         self.local_results = self._local(local_results)
         self._to_release: list[str] = []          # handles of results read from files, not yet released
+        self._unanswered: list[dict] = []         # release calls sent or to send, not answered yet
         self._releasing: asyncio.Task | None = None
 
     async def __aenter__(self) -> "AsyncClient":
@@ -642,8 +643,10 @@ class AsyncClient(_Core):
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self.release_pending()
-        await self._http.aclose()
+        try:
+            await self.release_pending()
+        finally:
+            await self._http.aclose()
 
     async def release_pending(self) -> None:
         """Wait until every result read from its file so far is released on the server (they
@@ -658,43 +661,52 @@ class AsyncClient(_Core):
         round trip before each response's results are returned: a served batch's responses
         all arrive at its last step, and a release each held each one back by a round trip
         through the busy server (and took 2 ms of this process's CPU a response on the CI
-        machine: `benchmarks/served_delivery.py --per-response 1`). Left unreleased (the
-        event loop ended first), the server drops them after `result_ttl_s`."""
+        machine: `benchmarks/served_delivery.py --per-response 1`). If the event loop ends
+        first (`asyncio.run` returned with the client open), what is left is released then,
+        blocking (`_release_left`)."""
         self._to_release.extend(handles)
-        if self._releasing is None or self._releasing.done():
-            self._releasing = asyncio.get_running_loop().create_task(self._release_queued())
+        loop = asyncio.get_running_loop()
+        task = self._releasing
+        # (a task of another loop: one closed without cancelling it never runs again)
+        if task is None or task.done() or task.get_loop() is not loop:
+            task = loop.create_task(self._release_queued())
+            task.add_done_callback(self._release_left)
+            self._releasing = task
 
     async def _release_queued(self) -> None:
-        handles: list[str] = []
-        try:
-            await asyncio.sleep(0)      # the responses read in this turn of the loop go in one call
-            while self._to_release:
-                handles, self._to_release = self._to_release, []
-                for body in _releases(handles):
-                    try:
-                        _released(body, await self._call("POST", RELEASE_PATH, **_as_json(body)))
-                    except Exception as e:      # a warning: the server drops them after result_ttl_s
-                        _released(body, e)
-                handles = []
-        except asyncio.CancelledError:
-            # The event loop is ending (asyncio.run returned with the client open): released
-            # now, blocking, rather than left on the server until result_ttl_s (a handle
-            # released twice is not counted twice).
-            self._release_blocking(handles + self._to_release)
-            self._to_release = []
-            raise
-
-    def _release_blocking(self, handles: list[str]) -> None:
-        if not handles:
-            return
-        with httpx.Client(base_url=self._http.base_url, headers=self._http.headers, timeout=10) as http:
-            for body in _releases(handles):
+        await asyncio.sleep(0)      # the responses read in this turn of the loop go in one call
+        while self._to_release:
+            self._unanswered, self._to_release = _releases(self._to_release), []
+            while self._unanswered:
+                body = self._unanswered[0]
                 try:
-                    resp = http.post(RELEASE_PATH, **_as_json(body))
-                    _raise_for(resp)
-                    _released(body, resp)
-                except Exception as e:
-                    _released(body, e)
+                    got: Any = await self._call("POST", RELEASE_PATH, **_as_json(body))
+                except Exception as e:      # a warning: the server drops them after result_ttl_s
+                    got = e
+                self._unanswered.pop(0)
+                try:
+                    _released(body, got)
+                except Exception:           # warnings made errors: nobody awaits this task for them
+                    pass
+
+    def _release_left(self, task: asyncio.Task) -> None:
+        """The release task's end: cancelled (its event loop ending, or before its first step),
+        what it had not had answered is released now, blocking (a handle released twice is
+        not counted twice); the server would otherwise keep the files until result_ttl_s."""
+        if not task.cancelled():
+            return
+        left = [h for body in self._unanswered for h in body["handles"]] + self._to_release
+        self._unanswered, self._to_release = [], []
+        if not left:
+            return
+        try:
+            with httpx.Client(base_url=self._http.base_url, headers=self._http.headers, auth=self._http.auth,
+                              timeout=5) as http:
+                for body in _releases(left):
+                    _raise_for(http.post(RELEASE_PATH, **_as_json(body)))
+        except Exception as e:
+            warnings.warn(f"vllm-hook: releasing results read from files as the event loop ended: {e}; the "
+                          "server keeps them until result_ttl_s", RuntimeWarning, stacklevel=2)
 
     async def _call(self, method: str, path: str, **kw) -> httpx.Response:
         resp = await self._http.request(method, path, **kw)

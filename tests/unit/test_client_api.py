@@ -399,6 +399,7 @@ def test_fetched_bodies_are_received_whole_into_reused_memory():
     come (`client._Body`), by both clients; a body shorter or longer than its content-length
     is an error, and a small or content-encoded one is read as bytes."""
     import asyncio
+    import gzip
     import os
 
     import httpx
@@ -406,37 +407,101 @@ def test_fetched_bodies_are_received_whole_into_reused_memory():
     from vllm_hook import client as client_mod
 
     payload = os.urandom(3 << 20)
+    packed = gzip.compress(payload, compresslevel=1)
 
     def handler(request: httpx.Request) -> httpx.Response:
         name = request.url.path.rsplit("/", 1)[-1]
-        if name == "short":
-            return httpx.Response(200, headers={"content-length": str(len(payload) + 5)},
-                                  stream=httpx.ByteStream(payload))
-        if name == "long":
-            return httpx.Response(200, headers={"content-length": str(len(payload) - 5)},
-                                  stream=httpx.ByteStream(payload))
+        sized = {"short": len(payload) + 5, "long": len(payload) - 5, "whole": len(payload)}
+        if name in sized:
+            return httpx.Response(200, headers={"content-length": str(sized[name])}, stream=httpx.ByteStream(payload))
+        if name == "gzip":
+            return httpx.Response(200, headers={"content-length": str(len(packed)), "content-encoding": "gzip"},
+                                  stream=httpx.ByteStream(packed))
         if name == "small":
             return httpx.Response(200, content=b"abc")
-        if name == "missing":
-            return httpx.Response(404, json={"error": {"message": "no such result"}})
-        return httpx.Response(200, headers={"content-length": str(len(payload))}, stream=httpx.ByteStream(payload))
+        return httpx.Response(404, json={"error": {"message": "no such result"}})
 
-    sync = client_mod.Client("http://127.0.0.1:1", http=httpx.Client(base_url="http://127.0.0.1:1",
-                                                                      transport=httpx.MockTransport(handler)))
-    got = sync._fetch("whole")
-    assert isinstance(got, memoryview) and bytes(got) == payload
-    assert sync._fetch("small") == b"abc"
-    for bad in ("short", "long"):
-        with pytest.raises(client_mod.ServerError, match="content-length|ended at"):
-            sync._fetch(bad)
-    with pytest.raises(client_mod.NotFoundError):
-        sync._fetch("missing")
+    def check(fetch):
+        got = yield fetch("whole")
+        assert isinstance(got, memoryview) and bytes(got) == payload
+        got = yield fetch("gzip")
+        assert isinstance(got, bytes) and got == payload        # decoded, as bytes
+        assert (yield fetch("small")) == b"abc"
 
-    async def asynchronous():
+    def run_sync():
+        c = client_mod.Client("http://127.0.0.1:1", http=httpx.Client(base_url="http://127.0.0.1:1",
+                                                                       transport=httpx.MockTransport(handler)))
+        steps = check(c._fetch)
+        got = next(steps)
+        try:
+            while True:
+                got = steps.send(got)
+        except StopIteration:
+            pass
+        for bad, why in (("short", "ended at"), ("long", "ran past")):
+            with pytest.raises(httpx.RemoteProtocolError, match=why):
+                c._fetch(bad)
+        with pytest.raises(client_mod.NotFoundError):
+            c._fetch("missing")
+
+    async def run_async():
         http = httpx.AsyncClient(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(handler))
         async with client_mod.AsyncClient("http://127.0.0.1:1", http=http) as ac:
-            whole = await ac._fetch("whole")
-            with pytest.raises(client_mod.ServerError, match="ended at"):
-                await ac._fetch("short")
-            return whole
-    assert bytes(asyncio.run(asynchronous())) == payload
+            steps = check(ac._fetch)
+            got = await next(steps)
+            try:
+                while True:
+                    got = await steps.send(got)
+            except StopIteration:
+                pass
+            for bad, why in (("short", "ended at"), ("long", "ran past")):
+                with pytest.raises(httpx.RemoteProtocolError, match=why):
+                    await ac._fetch(bad)
+            with pytest.raises(client_mod.NotFoundError):
+                await ac._fetch("missing")
+
+    run_sync()
+    asyncio.run(run_async())
+
+
+def test_async_client_releases_in_the_background_in_few_calls():
+    """`AsyncClient` releases results read from files in the background: the responses read
+    in one turn of the loop in one call, those read while it is in flight in the next;
+    `release_pending` waits; a failed call is a warning, and later ones still go."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from vllm_hook import client as client_mod
+
+    calls, fail = [], []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        handles = json.loads(request.content)["handles"]
+        calls.append(handles)
+        await asyncio.sleep(0.01)           # in flight while more are queued
+        if fail:
+            return httpx.Response(500, json={"error": {"message": "down"}})
+        return httpx.Response(200, json={"released": len(handles)})
+
+    async def main():
+        http = httpx.AsyncClient(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(handler))
+        async with client_mod.AsyncClient("http://127.0.0.1:1", http=http) as ac:
+            for i in range(5):                       # one turn of the loop: one call
+                ac._release_soon([f"a{i}"])
+            await asyncio.sleep(0.005)               # that call in flight: these queue
+            ac._release_soon(["b0"])
+            ac._release_soon(["b1"])
+            await ac.release_pending()
+            assert calls == [[f"a{i}" for i in range(5)], ["b0", "b1"]]
+            fail.append(True)
+            ac._release_soon(["c0"])
+            with pytest.warns(RuntimeWarning, match="HTTP 500.*result_ttl_s"):
+                await ac.release_pending()
+            fail.clear()
+            ac._release_soon(["d0"])                 # closing the client waits for it
+        assert calls[-1] == ["d0"]
+    asyncio.run(main())
+
+

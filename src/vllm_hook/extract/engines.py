@@ -100,7 +100,10 @@ class ServedEngine:
 
     def run(self, records: list[Record], spec: dict, max_tokens: int) -> list[Outcome]:
         async def batch():
-            return await asyncio.gather(*(self._one(r, spec, max_tokens) for r in records))
+            got = await asyncio.gather(*(self._one(r, spec, max_tokens) for r in records))
+            # this loop runs only inside run(): the batch's files released now, not at the next
+            await self._client.release_pending()
+            return got
         return list(self._loop.run_until_complete(batch()))
 
     def close(self) -> None:
