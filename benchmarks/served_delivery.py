@@ -10,7 +10,8 @@ plugin's routes (`server.routes`) and result store (`server.store`), the results
 the API server encodes them (`server.encode.encode_one`), and `vllm_hook.AsyncClient` turning a
 response's entries into `Results` (`results_of`): with `local_results` (read from their files,
 released in one call) and without (one GET each, `?delete=true`), alternating, medians of
-`--rounds`. Reports the client's wall and CPU time per result, and the server process's CPU
+`--rounds`. Reports the client's wall and CPU time per result (and, of its wall, the file
+reads and the decoding: parsing, widening to float32), and the server process's CPU
 time per result apart: making the response (encoding, and writing the files where asked) and
 serving the client's fetches or release. No engine, no
 model: the rows are random. A smoke test runs it in CI with small sizes.
@@ -82,6 +83,22 @@ async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | N
     import httpx
 
     from vllm_hook import AsyncClient
+    from vllm_hook import client as client_mod
+
+    # The client's two stages, timed where they run (wall ms summed over a round): reading a
+    # result file (`_read_local`) and decoding a result (`_decode`: parsing and widening)
+    spent = {"read": 0.0, "decode": 0.0}
+
+    def timed(stage, fn):
+        def run(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[stage] += time.perf_counter() - t0
+        return run
+    client_mod._read_local = timed("read", client_mod._read_local)
+    client_mod._decode = timed("decode", client_mod._decode)
 
     out: dict = {}
     files: list[int] = []           # results offered as files, each round asking for them
@@ -100,6 +117,7 @@ async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | N
                 if local:
                     files.append(sum(bool(e.get("local")) for e in entries))
                 client = AsyncClient(url, http=http, local_results=local)
+                spent.update(read=0.0, decode=0.0)
                 t, c = time.perf_counter(), time.process_time()
                 # (responses of `per_response` results: each response's results at once, as
                 # concurrent requests' responses arrive)
@@ -110,7 +128,7 @@ async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | N
                 server = (s1 - s0, _cpu(pid) - s1)
                 assert len(got) == n and all(g.ok and g.activations["resid_post"][4].dtype.is_floating_point
                                              for g in got)
-                out.setdefault(local, []).append((wall, cpu, *server))
+                out.setdefault(local, []).append((wall, cpu, *server, spent["read"], spent["decode"]))
                 del got
     res = {}
     for local, runs in out.items():
@@ -118,7 +136,7 @@ async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | N
         key = "from_files" if local else "over_http"
         res[key] = {k: round(1e3 * statistics.median(x[i] for x in runs) / n, 3) for i, k in enumerate((
             "wall_ms_per_result", "client_cpu_ms_per_result", "server_cpu_ms_per_result_making",
-            "server_cpu_ms_per_result_delivering"))}
+            "server_cpu_ms_per_result_delivering", "client_read_ms_per_result", "client_decode_ms_per_result"))}
     res["from_files"]["offered_as_files"] = min(files)
     return res
 
