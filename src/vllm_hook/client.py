@@ -322,7 +322,21 @@ def _released(body: dict, resp: httpx.Response | Exception) -> None:
             return
         why = f"{got} of {len(body['handles'])} released (another API server process?)"
     warnings.warn(f"vllm-hook: releasing results read from files: {why}; the server keeps the "
-                  "rest until result_ttl_s", RuntimeWarning, stacklevel=4)
+                  "rest until result_ttl_s", RuntimeWarning, stacklevel=5)
+
+
+def _release_now(http: httpx.Client, handles: list[str], counted: bool = True) -> None:
+    """Release `handles` through the synchronous `http`, a failed call a warning (`_released`);
+    `counted=False`: some may be released already, so fewer released is no warning."""
+    for body in _releases(handles):
+        try:
+            resp = http.post(RELEASE_PATH, **_as_json(body))
+            _raise_for(resp)
+        except (httpx.HTTPError, ServerError) as e:
+            _released(body, e)
+            continue
+        if counted:
+            _released(body, resp)
 
 
 def _loopback(url: httpx.URL) -> bool:
@@ -564,11 +578,7 @@ class Client(_Core):
     def _pairs(self, response: Any) -> list[tuple[int, Results]]:
         entries = _entries(response)
         datas, fetch, release = _plan(entries, self.local_results)
-        for body in _releases(release):     # first: a fetch that fails must not keep them
-            try:
-                _released(body, self._call("POST", RELEASE_PATH, **_as_json(body)))
-            except (httpx.HTTPError, ServerError) as e:
-                _released(body, e)
+        _release_now(self._http, release)   # first: a fetch that fails must not keep them
         for i in fetch:
             datas[i] = self._fetch(entries[i]["handle"])
         choices = _choices_for(entries, response)
@@ -702,8 +712,7 @@ class AsyncClient(_Core):
         try:
             with httpx.Client(base_url=self._http.base_url, headers=self._http.headers, auth=self._http.auth,
                               timeout=5) as http:
-                for body in _releases(left):
-                    _raise_for(http.post(RELEASE_PATH, **_as_json(body)))
+                _release_now(http, left, counted=False)
         except Exception as e:
             warnings.warn(f"vllm-hook: releasing results read from files as the event loop ended: {e}; the "
                           "server keeps them until result_ttl_s", RuntimeWarning, stacklevel=2)
