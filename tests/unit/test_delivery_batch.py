@@ -951,7 +951,7 @@ def test_metadata_columns_round_trip():
 def test_safetensors_bytes_load_as_safetensors_loads_them():
     """`st_tensors` (numpy views of one copy) gives what `safetensors.torch.load` gives, for
     every dtype, empty, scalar and unaligned tensors; writable, and bfloat16 / float16 widened
-    to float32 exactly where asked."""
+    to float32 exactly where asked, from read-only bytes and from writable memory."""
     from safetensors.torch import load, save
 
     from vllm_hook.delivery.store import st_tensors
@@ -970,9 +970,11 @@ def test_safetensors_bytes_load_as_safetensors_loads_them():
         assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
     got["a"].mul_(2)                                  # writable, and nobody else's
     assert torch.equal(load(blob)["a"], ref["a"])
-    wide, _ = st_tensors(blob, lambda m, name: name in ("a", "b", "f"))
-    for k in ("a", "b", "f"):
-        assert wide[k].dtype == torch.float32 and torch.equal(wide[k], ref[k].float())
+    # read-only bytes (numpy's shift) and writable memory (torch's conversion) alike
+    for src in (blob, memoryview(bytearray(blob))):
+        wide, _ = st_tensors(src, lambda m, name: name in ("a", "b", "f"))
+        for k in ("a", "b", "f"):
+            assert wide[k].dtype == torch.float32 and torch.equal(wide[k], ref[k].float())
     assert wide["c"].dtype == torch.float32 and wide["d"].dtype == torch.int64
 
 

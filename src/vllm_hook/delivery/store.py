@@ -26,7 +26,7 @@ except ImportError:                    # older: safetensors.torch.save
     TensorSpec = serialize = None
 
 from . import spill as spill_mod
-from .hostmem import CHUNK_BYTES, Chunked, as_tensor, copy_many, host_empty, write_new
+from .hostmem import CHUNK_BYTES, Chunked, as_tensor, copy_many, host_empty, one_thread, write_new
 
 _DTYPES = {name: dtype for dtype, name in spill_mod.ST_DTYPES.items()}
 
@@ -254,8 +254,7 @@ def st_tensors(blob: bytes, widen: Any = None) -> tuple[dict[str, torch.Tensor],
     each tensor writable and apart from `blob` (the widened ones views of one block, which
     each of them keeps alive), through numpy (safetensors' Python
     loader cost about 15 µs a tensor, most of a served result's decoding). `widen(metadata,
-    name)`: that tensor, when bfloat16 or float16, comes back as float32 (bfloat16 widened
-    exactly, by a shift of its bits). Dtypes numpy lacks go through safetensors."""
+    name)`: that tensor, when bfloat16 or float16, comes back as float32 (exactly). Dtypes numpy lacks go through safetensors."""
     header, data = _header(blob)
     meta = header.pop("__metadata__", None) or {}
     if any(info["dtype"] not in _NP for info in header.values()):
@@ -275,13 +274,18 @@ def st_tensors(blob: bytes, widen: Any = None) -> tuple[dict[str, torch.Tensor],
         dt = _NP[code]
         a = buf[data + start:data + end]
         if name in wide:
-            # Widened in one pass from the bytes (a bfloat16 is a float32's upper half): a
-            # copy, a uint32 temporary and a shift took 4.3 ms for 3 MB on the CI machine, this
-            # 2.9, most of it the fresh block's page faults
+            # Widened in one pass from the bytes: torch's conversion, on this thread (half
+            # the time of numpy's shift of a bfloat16 into a float32's upper half; torch's
+            # other threads cost a served client's own CPU more than they saved it); numpy's
+            # where the bytes are read-only (torch would warn: small inline results)
             a = a.view(dt) if (data + start) % dt.itemsize == 0 else a.copy().view(dt)
             dst = block[at:at + a.size]
             at += a.size
-            if code == "BF16":
+            if a.flags.writeable:
+                t = torch.from_numpy(a)
+                with one_thread():
+                    dst.copy_(t.view(torch.bfloat16) if code == "BF16" else t)
+            elif code == "BF16":
                 np.left_shift(a, 16, out=dst.numpy().view(np.uint32), dtype=np.uint32)
             else:
                 dst.numpy()[:] = a
