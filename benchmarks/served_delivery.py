@@ -1,6 +1,6 @@
 """A served client's cost to receive large results: by handle over HTTP against from their files.
 
-    python benchmarks/served_delivery.py [--results 85] [--rounds 5] [--out FILE]
+    python benchmarks/served_delivery.py [--results 85] [--rounds 5] [--out FILE] [--src DIR]
 
 The served mixed batch at 256 x 128 + 128 (run 154) returns 85 results of every prompt and
 generated token at 4 layers (3.1 MB of bf16 each, 6.3 MB of float32 in the user's hands), all
@@ -34,7 +34,18 @@ import psutil
 from fastapi import Request  # module level: the route's annotation is resolved here
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "src"), str(HERE.parent / "scripts")]
+
+
+def _src() -> Path:
+    """`--src DIR` (read before anything imports the plugin): the plugin's source to measure,
+    another tree's `src/` for a before-and-after comparison; else this tree's."""
+    for i, a in enumerate(sys.argv[:-1]):
+        if a == "--src":
+            return Path(sys.argv[i + 1]).resolve()
+    return HERE.parent / "src"
+
+
+sys.path[:0] = [str(HERE), str(_src()), str(HERE.parent / "scripts")]
 
 
 def serve(port: int, rows: int, hidden: int) -> None:
@@ -150,6 +161,7 @@ def main() -> None:
     ap.add_argument("--per-response", type=int, help="results per response (default: all in one), the "
                     "responses' results read at once: 1 is a served batch's (one result per request)")
     ap.add_argument("--out")
+    ap.add_argument("--src", help="the plugin's src/ to measure (default: this tree's); the server process uses it too")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
@@ -159,7 +171,7 @@ def main() -> None:
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--rows", str(args.rows),
-                             "--hidden", str(args.hidden)])
+                             "--hidden", str(args.hidden), "--src", str(_src())])
     try:
         url = f"http://127.0.0.1:{port}"
         import httpx
