@@ -39,10 +39,15 @@ HERE = Path(__file__).resolve().parent
 def _src() -> Path:
     """`--src DIR` (read before anything imports the plugin): the plugin's source to measure,
     another tree's `src/` for a before-and-after comparison; else this tree's."""
-    for i, a in enumerate(sys.argv[:-1]):
-        if a == "--src":
-            return Path(sys.argv[i + 1]).resolve()
-    return HERE.parent / "src"
+    src = HERE.parent / "src"
+    for i, a in enumerate(sys.argv):
+        if a == "--src" and i + 1 < len(sys.argv):
+            src = Path(sys.argv[i + 1]).resolve()
+        elif a.startswith("--src="):
+            src = Path(a.split("=", 1)[1]).resolve()
+    if not (src / "vllm_hook" / "__init__.py").is_file():
+        raise SystemExit(f"--src {src}: no vllm_hook package there (name a tree's src/)")
+    return src
 
 
 sys.path[:0] = [str(HERE), str(_src()), str(HERE.parent / "scripts")]
@@ -153,7 +158,8 @@ async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | N
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--results", type=int, default=85)
     ap.add_argument("--rows", type=int, default=256, help="rows per layer (prompt + generated)")
     ap.add_argument("--hidden", type=int, default=1536)
@@ -186,7 +192,9 @@ def main() -> None:
             raise SystemExit(f"the benchmark's server did not answer at {url} within 30 s")
         from run import host_probe
 
-        res = {"results": args.results, "per_response": args.per_response or args.results, "rows": args.rows, "hidden": args.hidden,
+        import vllm_hook
+
+        res = {"src": str(Path(vllm_hook.__file__).parent.parent), "results": args.results, "per_response": args.per_response or args.results, "rows": args.rows, "hidden": args.hidden,
                "mb_per_result_bf16": round(4 * args.rows * args.hidden * 2 / 1e6, 2), "rounds": args.rounds,
                **asyncio.run(measure(url, args.results, args.rounds, proc.pid, args.per_response)), "host": host_probe(), "cpus": os.cpu_count()}
     finally:

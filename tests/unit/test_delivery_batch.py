@@ -724,6 +724,8 @@ def test_host_memory_is_reused_once_no_tensor_views_it(monkeypatch):
     del view
     c = hostmem.host_empty((5 << 20,), torch.uint8)             # taken back, fits: reused
     assert c.data_ptr() == ptr
+    # its storage is its own bytes, not the mapping: a pickle of it carries no earlier contents
+    assert c.untyped_storage().nbytes() == 5 << 20
     c.fill_(7)
     del c
     assert hostmem.host_empty((1 << 23,), torch.uint8).data_ptr() != ptr     # the like size only
@@ -976,6 +978,37 @@ def test_safetensors_bytes_load_as_safetensors_loads_them():
         for k in ("a", "b", "f"):
             assert wide[k].dtype == torch.float32 and torch.equal(wide[k], ref[k].float())
     assert wide["c"].dtype == torch.float32 and wide["d"].dtype == torch.int64
+
+
+def test_large_widened_results_are_exact_in_reused_memory_of_their_own_size(monkeypatch):
+    """A served result's widened rows (`st_tensors`, 6 MiB of float32 here) come in reused,
+    huge-page backed memory (`host_empty`): exact, the storage of the result's block alone
+    (a pickle of one layer is not the mapping's 8 MiB), torch's thread count untouched, and
+    the memory reused for the next result once the first is dropped."""
+    import pickle
+
+    from safetensors.torch import save
+
+    from vllm_hook.delivery import hostmem
+    from vllm_hook.delivery.store import st_tensors
+
+    monkeypatch.setattr(hostmem, "RECYCLER", hostmem.Recycler(keep=64 << 20))
+    g = torch.Generator().manual_seed(0)
+    rows = {f"resid_post.{i}": torch.randn(256, 1536, generator=g).bfloat16() for i in range(4)}
+    blob = memoryview(bytearray(save({**rows, "pos": torch.arange(256)})))
+    threads = torch.get_num_threads()
+    got, _ = st_tensors(blob, lambda m, name: name != "pos")
+    assert torch.get_num_threads() == threads
+    for k, t in rows.items():
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], t.float()), k
+    block = got["resid_post.0"].untyped_storage()
+    assert block.nbytes() == 4 * 256 * 1536 * 4
+    assert len(pickle.dumps(got["resid_post.0"])) < block.nbytes() + (1 << 20)
+    ptr = block.data_ptr()
+    del got, block
+    again, _ = st_tensors(blob, lambda m, name: name != "pos")
+    assert again["resid_post.0"].untyped_storage().data_ptr() == ptr     # reused
+    assert all(torch.equal(again[k], t.float()) for k, t in rows.items())
 
 
 def test_st_parts_are_the_safetensors_bytes_of_their_tensors(tmp_path):

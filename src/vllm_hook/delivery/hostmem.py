@@ -52,10 +52,21 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     m = RECYCLER.take(size, huge)
     if m is None:
         m = _new_mapping(size, huge)
-    raw = torch.frombuffer(m, dtype=torch.uint8)
+    start = -_address(m) % HUGE if huge else 0   # huge pages need 2 MiB-aligned ranges
+    # A storage of the tensor's bytes alone: one of the whole mapping would carry its slack,
+    # and a reused mapping's earlier contents, into a pickle or `torch.save` of the tensor
+    raw = torch.frombuffer(m, dtype=torch.uint8, offset=start, count=nbytes)
     RECYCLER.lend(m, raw)
-    start = -raw.data_ptr() % HUGE if huge else 0   # huge pages need 2 MiB-aligned ranges
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    return raw.view(dtype).view(shape)
+
+
+def _address(m: mmap.mmap) -> int:
+    """Where mapping `m` starts in this process's memory."""
+    view = (ctypes.c_char * 1).from_buffer(m)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view                     # (an exported buffer would keep `m` from closing)
 
 
 def _mapping_size(nbytes: int) -> tuple[int, bool]:

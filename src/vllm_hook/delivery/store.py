@@ -26,7 +26,7 @@ except ImportError:                    # older: safetensors.torch.save
     TensorSpec = serialize = None
 
 from . import spill as spill_mod
-from .hostmem import CHUNK_BYTES, Chunked, as_tensor, copy_many, host_empty, one_thread, write_new
+from .hostmem import CHUNK_BYTES, Chunked, as_tensor, copy_many, host_empty, write_new
 
 _DTYPES = {name: dtype for dtype, name in spill_mod.ST_DTYPES.items()}
 
@@ -265,8 +265,8 @@ def st_tensors(blob: bytes, widen: Any = None) -> tuple[dict[str, torch.Tensor],
     wide = [name for name, info in header.items()
             if widen is not None and info["dtype"] in ("BF16", "F16") and widen(meta, name)]
     # The widened tensors in one block (one allocation, not one per tensor), from 1 MiB in
-    # reused, huge-page backed memory (`host_empty`): on a GPU host fresh pages' faults
-    # were half the widening (run 162)
+    # reused memory, huge-page backed from 4 MiB (`host_empty`): on a GPU host fresh pages'
+    # faults were half the widening (run 162)
     block = host_empty((sum((header[n]["data_offsets"][1] - header[n]["data_offsets"][0]) // 2 for n in wide),),
                        torch.float32) if wide else None
     at, wide = 0, set(wide)
@@ -277,18 +277,13 @@ def st_tensors(blob: bytes, widen: Any = None) -> tuple[dict[str, torch.Tensor],
         dt = _NP[code]
         a = buf[data + start:data + end]
         if name in wide:
-            # Widened in one pass from the bytes: torch's conversion, on this thread (half
-            # the time of numpy's shift of a bfloat16 into a float32's upper half; torch's
-            # other threads cost a served client 10x the CPU on a 16-core host); numpy's where
-            # the bytes are read-only (torch would warn: small inline results)
+            # Widened in one pass from the bytes (a bfloat16 is a float32's upper half).
+            # Torch's conversion took half the time on one thread, but only with its thread
+            # count set to 1 around it: global state of the caller's process (stop 68)
             a = a.view(dt) if (data + start) % dt.itemsize == 0 else a.copy().view(dt)
             dst = block[at:at + a.size]
             at += a.size
-            if a.flags.writeable:
-                t = torch.from_numpy(a)
-                with one_thread():
-                    dst.copy_(t.view(torch.bfloat16) if code == "BF16" else t)
-            elif code == "BF16":
+            if code == "BF16":
                 np.left_shift(a, 16, out=dst.numpy().view(np.uint32), dtype=np.uint32)
             else:
                 dst.numpy()[:] = a
