@@ -972,7 +972,7 @@ def test_safetensors_bytes_load_as_safetensors_loads_them():
         assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
     got["a"].mul_(2)                                  # writable, and nobody else's
     assert torch.equal(load(blob)["a"], ref["a"])
-    # read-only bytes (numpy's shift) and writable memory (torch's conversion) alike
+    # read-only bytes and writable memory alike
     for src in (blob, memoryview(bytearray(blob))):
         wide, _ = st_tensors(src, lambda m, name: name in ("a", "b", "f"))
         for k in ("a", "b", "f"):

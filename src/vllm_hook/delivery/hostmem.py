@@ -205,9 +205,11 @@ class Recycler:
 
 
 def _close(m: mmap.mmap) -> None:
+    """Unmap `m`, which no tensor views (`_reap`): torch holds no buffer export, so closing a
+    mapping a tensor still viewed would unmap its memory under it."""
     try:
         m.close()
-    except BufferError:        # viewed after all: unmapped with its last view
+    except BufferError:        # an export still held (not torch's): unmapped with its holder
         pass
 
 
