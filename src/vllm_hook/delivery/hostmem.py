@@ -52,7 +52,7 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     m = RECYCLER.take(size, huge)
     if m is None:
         m = _new_mapping(size, huge)
-    start = -_address(m) % HUGE if huge else 0   # huge pages need 2 MiB-aligned ranges
+    start = _start(m, huge)
     # A storage of the tensor's bytes alone: one of the whole mapping would carry its slack,
     # and a reused mapping's earlier contents, into a pickle or `torch.save` of the tensor
     raw = torch.frombuffer(m, dtype=torch.uint8, offset=start, count=nbytes)
@@ -60,11 +60,13 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
-def _address(m: mmap.mmap) -> int:
-    """Where mapping `m` starts in this process's memory."""
+def _start(m: mmap.mmap, huge: bool) -> int:
+    """Where a tensor starts in mapping `m`: huge pages need 2 MiB-aligned ranges."""
+    if not huge:
+        return 0
     view = (ctypes.c_char * 1).from_buffer(m)
     try:
-        return ctypes.addressof(view)
+        return -ctypes.addressof(view) % HUGE
     finally:
         del view                     # (an exported buffer would keep `m` from closing)
 
@@ -152,11 +154,9 @@ class Recycler:
                         if self.idle_bytes + size > self.keep:
                             return
                     m = _new_mapping(size, huge)
-                    raw = torch.frombuffer(m, dtype=torch.uint8)
-                    start = -raw.data_ptr() % HUGE if huge else 0
                     # Fault in the pages a tensor will use (torch releases the GIL meanwhile).
-                    raw[start:start + size - (HUGE if huge else 0)].zero_()
-                    del raw
+                    torch.frombuffer(m, dtype=torch.uint8, offset=_start(m, huge),
+                                     count=size - (HUGE if huge else 0)).zero_()
                     with self._lock:
                         self._add_idle(size, m)
                         self.refills += 1
