@@ -7,7 +7,9 @@ generated token at 4 layers (3.1 MB of bf16 each, 6.3 MB of float32 in the user'
 kept by handle, and its client's CPU time was most of the batch's extra time. This times that
 delivery alone on this host, with the plugin's own pieces: a server process (uvicorn) with the
 plugin's routes (`server.routes`) and result store (`server.store`), the results encoded as
-the API server encodes them (`server.encode.encode_one`), and `vllm_hook.AsyncClient` turning a
+the API server encodes them (`server.encode.encode_one` on its encoding threads, the responses
+asked for at once as a batch's requests finish; each result's layers laid out apart, as a
+fetch's payload holds them), and `vllm_hook.AsyncClient` turning a
 response's entries into `Results` (`results_of`): with `local_results` (read from their files,
 released in one call) and without (one GET each, `?delete=true`), alternating, medians of
 `--rounds`. Reports the client's wall and CPU time per result (and, of its wall, the file
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -60,7 +63,7 @@ def serve(port: int, rows: int, hidden: int) -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from vllm_hook.adapters.server import SERVED_ATTR, Served
+    from vllm_hook.adapters.server import SERVED_ATTR, Served, _encoder
     from vllm_hook.config import HookConfig
     from vllm_hook.results import Results
     from vllm_hook.server import encode
@@ -71,21 +74,35 @@ def serve(port: int, rows: int, hidden: int) -> None:
     store = ResultStore(cfg.max_retained_bytes, cfg.result_ttl_s, local_dir=cfg.result_spill_dir)
     engine = type("Engine", (), {})()
     engine.__dict__[SERVED_ATTR] = Served(None, store)
-    r = Results(request_id="cmpl-0", prompt_len=rows // 2, token_ids=list(range(rows + 1)), model="m")
-    for layer in (4, 9, 16, 26):
-        r.activations.setdefault("resid_post", {})[layer] = torch.randn(rows, hidden).to(torch.bfloat16)
-        r.positions.setdefault("resid_post", {})[layer] = torch.arange(rows)
-    r.widen_to = "float32"
+    # Rows laid out as a fetch's payload holds them: layer by layer, every request's block in
+    # turn (a request's layers apart from one another), for KINDS requests' results in turn
+    layers, kinds = (4, 9, 16, 26), 16
+    payload = torch.randn(len(layers), kinds, rows, hidden).to(torch.bfloat16)
+    pos = torch.arange(rows)
+    made = []
+    for k in range(kinds):
+        r = Results(request_id=f"cmpl-{k}", prompt_len=rows // 2, token_ids=list(range(rows + 1)), model="m")
+        for i, layer in enumerate(layers):
+            r.activations.setdefault("resid_post", {})[layer] = payload[i, k]
+            r.positions.setdefault("resid_post", {})[layer] = pos
+        r.widen_to = "float32"
+        made.append(r)
     app = FastAPI()
     app.state.engine_client = engine
     app.include_router(router)
+    turn = itertools.count()
+
+    def entries(n: int, local: bool) -> list[dict]:
+        return [encode.encode_one(made[next(turn) % kinds], i, store, cfg, stacked=True, local=local)
+                for i in range(n)]
 
     @app.post("/bench/make")
     async def make(request: Request):
         q = request.query_params
         n, local = int(q["n"]), q["local"] == "1"
-        return {"vllm_hook": {"results": [encode.encode_one(r, i, store, cfg, stacked=True, local=local)
-                                          for i in range(n)]}}
+        # encoded where the API server encodes large results: on its encoding threads
+        got = await asyncio.get_running_loop().run_in_executor(_encoder(), entries, n, local)
+        return {"vllm_hook": {"results": got}}
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
@@ -123,7 +140,9 @@ async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | N
             for local in (True, False):
                 k = per_response or n
                 s0 = _cpu(pid)
-                rs = [await http.post(f"/bench/make?n={min(k, n - at)}&local={int(local)}") for at in range(0, n, k)]
+                # (concurrent requests, as a served batch's: their encoding side by side)
+                rs = await asyncio.gather(*(http.post(f"/bench/make?n={min(k, n - at)}&local={int(local)}")
+                                            for at in range(0, n, k)))
                 s1 = _cpu(pid)
                 assert all(r.status_code == 200 for r in rs), next(r.text[:2000] for r in rs if r.status_code != 200)
                 resps = [r.json() for r in rs]

@@ -41,6 +41,7 @@ import asyncio
 import gc
 import itertools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -172,6 +173,58 @@ async def counters(driver: Driver) -> dict:
     return out
 
 
+class Sampler:
+    """`--profile-api`: py-spy sampling a server's API process (native frames and thread ids
+    included: torch's and the plugin's threads apart) while one batch runs, its collapsed
+    stacks to a file. py-spy pauses the process for each sample: a profiled batch's times are
+    not figures."""
+
+    def __init__(self, exe: str, pid: int, out: Path):
+        import subprocess
+
+        self.pid, self.out, self.cpu0 = pid, out, thread_cpu(pid)
+        self.proc = subprocess.Popen([exe, "record", "--native", "--threads", "--rate", "100",
+                                      "--format", "raw", "--output", str(out), "--pid", str(pid)],
+                                     stdout=subprocess.DEVNULL, stderr=open(f"{out}.log", "w"))
+        time.sleep(1.0)                            # attached before the batch starts
+
+    def stop(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGINT)      # py-spy writes its file on SIGINT
+        self.proc.wait(60)
+        # each thread's CPU seconds meanwhile: py-spy sees Python threads only (not torch's)
+        cpu = thread_cpu(self.pid)
+        got = sorted(((round(c - self.cpu0.get(t, (name, 0.0))[1], 3), t, name) for t, (name, c) in cpu.items()),
+                     reverse=True)
+        Path(f"{self.out}.threads.json").write_text(json.dumps([g for g in got if g[0] > 0]))
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Thread id -> (name, CPU seconds so far) of process `pid`'s threads (Linux's /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:           # ended meanwhile
+            continue
+        out[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+PROFILE: dict = {}       # `--profile-api`: {"exe": py-spy, "dir": where, "reps": reps to sample}
+
+
+def profiler(driver: "Driver", label: str, rep: int) -> Sampler | None:
+    """A sampler of `driver`'s server API process for the batch about to run, if asked for."""
+    if not PROFILE or driver.server is None or rep >= PROFILE["reps"]:
+        return None
+    way = "files" if driver.client.local_results else "http"
+    return Sampler(PROFILE["exe"], driver.server.pid, Path(PROFILE["dir"]) / f"api-{label}-{way}-{rep}.txt")
+
+
 async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
     specs = [spec_of(i) for i in range(n)]
     plain = [None] * n
@@ -190,7 +243,10 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
             # cache that one wrote (steering's salt keeps its own out; a capture's and an
             # unhooked batch's would not), and the rep's second batch on a server would gain.
             ps = prompts(n, plen, vocab, seed=next(FRESH))
+            spy = profiler(drivers[server], f"{name}-{n}", rep) if key == "hooked_s" else None
             row[key] = await drivers[server].batch(ps, gen, sp)
+            if spy is not None:
+                spy.stop()
             if g0 is not None:       # the plugin server's collector: its API process, rank 0's
                 g1 = await counters(drivers[server])
                 row[key.replace("_s", "_server_gc_s")] = [g1.get(k, 0) - g0.get(k, 0)
@@ -342,6 +398,11 @@ def main() -> None:
                          "ways in turn")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the client's heap to Python's collector (default: frozen once set up)")
+    ap.add_argument("--profile-api", metavar="PY_SPY",
+                    help="sample the plugin server's API process with this py-spy during the first "
+                         "--profile-reps hooked batches of each case (collapsed stacks in --out; those "
+                         "batches' times are perturbed)")
+    ap.add_argument("--profile-reps", type=int, default=1)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     ap.add_argument("--smoke-layers", type=int, default=4, help="--smoke: layers of the tiny Qwen2")
     args = ap.parse_args()
@@ -363,6 +424,8 @@ def main() -> None:
                                               client_limits=args.client_limits, gc_freeze=not args.no_gc_freeze,
                                               deliveries=args.deliveries),
                     render=report, cases=[])
+    if args.profile_api:
+        PROFILE.update(exe=args.profile_api, dir=args.out, reps=args.profile_reps)
     try:
         asyncio.run(bench(args, model, cfg, result))
     finally:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from . import __version__
 from .delivery.spill import ST_DTYPES
-from .delivery.store import StParts, st_bytes, st_tensors
+from .delivery.store import Stacked, StParts, st_bytes, st_tensors
 from .delivery.hostmem import CHUNK_BYTES, copy_many, host_empty
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
@@ -79,7 +79,8 @@ class Results:
             raise HookRuntimeError(f"request {self.request_id}: " + "; ".join(self.errors))
         return self
 
-    def _payload(self, stacked: bool = False, tokens: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def _payload(self, stacked: bool = False, tokens: bool = True,
+                 lazy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         # numpy converts a list of ints about 3x faster than torch.tensor (39 -> 13 µs for 256
         # ids, a third of a steering-only result's served encoding). int32: every vocabulary
         # fits, and a served result's bytes (base64 inside JSON, escaped and parsed at both
@@ -87,7 +88,7 @@ class Results:
         tensors = {"token_ids": torch.from_numpy(np.array(self.token_ids, dtype=np.int32))} if tokens else {}
         for site, per_layer in self.activations.items():     # may share memory: `st_bytes`
             pos = self.positions[site]
-            block = _stack(per_layer, pos) if stacked else None
+            block = _stack(per_layer, pos, lazy) if stacked else None
             if block is not None:
                 tensors[f"{site}.{STACK}"], tensors[f"{site}.{STACK}.positions"] = block
                 continue
@@ -136,7 +137,7 @@ class Results:
         """`to_bytes`'s content not yet joined (a large served result: `server.encode`):
         the same tensors and metadata, read by `from_bytes` alike; `to_bytes` itself where a
         tensor's dtype has no safetensors name here (`spill.ST_DTYPES`: a hook's uint32)."""
-        tensors, meta = self._payload(stacked, tokens)
+        tensors, meta = self._payload(stacked, tokens, lazy=True)
         if all(t.dtype in ST_DTYPES for t in tensors.values()):
             return StParts(tensors, meta)
         return st_bytes(tensors, meta)
@@ -195,12 +196,13 @@ def _token_list(t: torch.Tensor | None) -> list[int]:
     return t.tolist() if t is not None else []
 
 
-def _stack(per_layer: dict[int, torch.Tensor], pos: dict[int, torch.Tensor]
-           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _stack(per_layer: dict[int, torch.Tensor], pos: dict[int, torch.Tensor], lazy: bool = False
+           ) -> tuple[torch.Tensor | Stacked, torch.Tensor] | None:
     """A site's layers as one tensor [layers ascending, ...] and their positions, when they
     share one positions tensor, their shape and dtype (a capture group's do); else None. Rows
     that lie back to back in one block (a request's own group) are that block, viewed; rows
-    packed across a fetch's requests are copied (one `torch.stack`)."""
+    packed across a fetch's requests are copied (one `torch.stack`), or with `lazy` left
+    apart (`Stacked`: written part by part, `to_parts`)."""
     if len(per_layer) < 2:
         return None
     layers = sorted(per_layer)
@@ -217,7 +219,7 @@ def _stack(per_layer: dict[int, torch.Tensor], pos: dict[int, torch.Tensor]
         if (start + len(ts) * step <= storage.data_ptr() + storage.nbytes()
                 and all(t.data_ptr() == start + i * step for i, t in enumerate(ts))):
             return torch.empty(0, dtype=dtype).set_(storage, first.storage_offset(), (len(ts), *shape)), p
-    return torch.stack(ts), p
+    return (Stacked(ts) if lazy else torch.stack(ts)), p
 
 
 def _widened(meta: dict, name: str) -> bool:

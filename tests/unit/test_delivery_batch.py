@@ -1016,21 +1016,23 @@ def test_st_parts_are_the_safetensors_bytes_of_their_tensors(tmp_path):
     joined, they are safetensors bytes that `safetensors.torch.load`
     and `st_tensors` read as the tensors and metadata given, every dtype, empty and scalar
     tensors included, each tensor's data aligned to its dtype (widest first, as safetensors
-    lays them out); a `Chunked` tensor is written whole."""
+    lays them out); a `Chunked` tensor is written whole, a `Stacked` one part by part."""
     import os
 
     from safetensors.torch import load
 
     from vllm_hook.delivery.hostmem import Chunked
-    from vllm_hook.delivery.store import StParts, st_tensors
+    from vllm_hook.delivery.store import Stacked, StParts, st_tensors
 
     g = torch.Generator().manual_seed(0)
+    rows = torch.randn(12, 4, generator=g).bfloat16()
     tensors = {"a": torch.randn(3, 5, generator=g).bfloat16(), "b": torch.randn(7, generator=g).half(),
                "g": torch.arange(3, dtype=torch.int32), "c": torch.randn(2, 3, generator=g),
                "e": torch.tensor(True), "f": torch.zeros(0, 4).bfloat16(), "d": torch.arange(5),
                "i": torch.arange(9, dtype=torch.uint8), "j": torch.tensor(2.5),
                "h": torch.randn(4, 6, generator=g).double()[:, ::2],          # not contiguous
-               "k": Chunked([torch.arange(6.0).view(2, 3, 1), torch.arange(4.0).view(2, 2, 1)])}
+               "k": Chunked([torch.arange(6.0).view(2, 3, 1), torch.arange(4.0).view(2, 2, 1)]),
+               "l": Stacked([rows[6:8], rows[0:2], rows[3:5].t().contiguous().t()])}   # the last strided
     parts = StParts(tensors, {"m": "v"})
     blob = parts.to_bytes()
     assert len(blob) == len(parts)
@@ -1038,7 +1040,8 @@ def test_st_parts_are_the_safetensors_bytes_of_their_tensors(tmp_path):
     got, meta = st_tensors(blob)
     assert meta == {"m": "v"} and set(ref) == set(got) == set(tensors)
     for k, t in tensors.items():
-        want = torch.cat(t.parts, dim=1) if isinstance(t, Chunked) else t
+        want = torch.cat(t.parts, dim=1) if isinstance(t, Chunked) else torch.stack(t.parts) if isinstance(
+            t, Stacked) else t
         assert torch.equal(ref[k], want) and torch.equal(got[k], want) and ref[k].dtype == want.dtype, k
     header_len = 8 + int.from_bytes(blob[:8], "little")
     from vllm_hook.delivery.store import _header
@@ -1058,6 +1061,43 @@ def test_st_parts_are_the_safetensors_bytes_of_their_tensors(tmp_path):
     r.hook_results = [{"ids": torch.arange(3).to(torch.uint32)}]
     got = r.to_parts()
     assert isinstance(got, bytes) and torch.equal(Results.from_bytes(got).hook_results[0]["ids"], torch.arange(3).to(torch.uint32))
+
+
+def test_a_served_results_stacked_layers_are_written_from_their_rows(tmp_path):
+    """A served result's layers of a site, blocks of the fetch's payload apart from one
+    another (layer by layer, every request's rows in turn), are written to its file straight
+    from those blocks (`Stacked`: no stacked copy first); the file holds what `to_bytes`
+    holds, read back the same; with a hook result of a dtype the layout lacks, `to_bytes`."""
+    import os
+
+    from vllm_hook.delivery.store import Stacked, StParts
+    from vllm_hook.results import Results
+
+    payload = torch.randn(4 * 3 * 5, 8).bfloat16()     # 4 layers x 3 requests x 5 rows
+    r = Results(request_id="a", prompt_len=2, token_ids=list(range(5)), model="m")
+    pos = torch.arange(5)
+    for i, layer in enumerate((1, 3, 5, 7)):
+        r.activations.setdefault("resid_post", {})[layer] = payload[i * 15 + 5:i * 15 + 10]   # request 1's
+        r.positions.setdefault("resid_post", {})[layer] = pos
+    parts = r.to_parts(stacked=True)
+    assert isinstance(parts, StParts)
+    kept = [p for p, _ in parts.parts if p.numel() == 5 * 8 * 2]
+    assert [p.data_ptr() for p in kept] == [r.activations["resid_post"][x].data_ptr() for x in (1, 3, 5, 7)]
+    fd = os.open(tmp_path / "r", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        parts.write(fd)
+    finally:
+        os.close(fd)
+    for blob in ((tmp_path / "r").read_bytes(), parts.to_bytes(), r.to_bytes(stacked=True)):
+        back = Results.from_bytes(blob)
+        assert back.token_ids == r.token_ids
+        for x in (1, 3, 5, 7):
+            assert torch.equal(back.activations["resid_post"][x], r.activations["resid_post"][x])
+            assert torch.equal(back.positions["resid_post"][x], pos)
+    assert isinstance(r._payload(stacked=True, lazy=True)[0]["resid_post.*"], Stacked)
+    r.hook_results = [{"ids": torch.arange(3).to(torch.uint32)}]
+    back = Results.from_bytes(r.to_parts(stacked=True))
+    assert torch.equal(back.activations["resid_post"][5], r.activations["resid_post"][5])
 
 
 def test_a_fetched_payload_nobody_reads_is_handed_back(tmp_path):

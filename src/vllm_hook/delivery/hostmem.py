@@ -282,7 +282,8 @@ class Chunked:
 
 
 def as_tensor(t: "torch.Tensor | Chunked") -> torch.Tensor:
-    return t.tensor() if isinstance(t, Chunked) else t
+    """A real tensor of `t` (a `Chunked`, or another such part list with `tensor()`)."""
+    return t if isinstance(t, torch.Tensor) else t.tensor()
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
