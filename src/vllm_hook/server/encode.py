@@ -19,6 +19,7 @@ import pybase64
 from pydantic import BaseModel
 
 from ..config import HookConfig
+from ..delivery.store import StParts
 from ..results import Results
 from .store import ResultStore
 
@@ -189,10 +190,17 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
                 "handle": None, "errors": list(r.errors), "tokens": CHOICE}
     # Too large to inline (its activations alone) and for a client that reads files: written
     # to its file from the tensors (`StParts`), no bytes object made of them first. In memory
-    # a result is one bytes object, which a fetch sends without a copy.
-    data = (r.to_parts(stacked, tokens=not choice)
-            if local and cfg.local_results and result_nbytes(r) > cfg.max_inline_result_bytes
-            else r.to_bytes(stacked, tokens=not choice))
+    # a result is one bytes object, which a fetch sends without a copy; from ON_LOOP_BELOW
+    # (encoded on the encoding threads) joined from its parts too, byte copies where
+    # `to_bytes` would stack a site's layers with torch first (a team of torch's threads
+    # woken by each encoding thread)
+    size = result_nbytes(r)
+    if size >= ON_LOOP_BELOW:
+        data = r.to_parts(stacked, tokens=not choice)
+        if not (local and cfg.local_results and size > cfg.max_inline_result_bytes) and isinstance(data, StParts):
+            data = data.to_bytes()
+    else:
+        data = r.to_bytes(stacked, tokens=not choice)
     entry = {"index": index, "format": FORMAT, "bytes": len(data), "data": None, "handle": None,
              "errors": list(r.errors)}
     if choice:
