@@ -505,3 +505,72 @@ def test_async_client_releases_in_the_background_in_few_calls():
     asyncio.run(main())
 
 
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_async_client_decodes_large_responses_the_same_off_the_event_loop(tmp_path, monkeypatch, threads):
+    """`AsyncClient` reads and decodes a response's large results on its decoding threads
+    (`DECODE_THREADS` > 1) or on the event loop: the same Results either way, every kind of
+    entry (read from its file and released, fetched by handle, a file it may not read so
+    fetched, inline, a "tokens" entry), in the response's order."""
+    import asyncio
+    import base64
+    import json
+    import threading
+
+    import httpx
+    import torch
+
+    from vllm_hook import client as client_mod
+    from vllm_hook.results import Results
+    from vllm_hook.server.store import LOCAL_PREFIX
+
+    monkeypatch.setattr(client_mod, "DECODE_THREADS", threads)
+    where = []
+    decode = client_mod._decode
+    monkeypatch.setattr(client_mod, "_decode", lambda *a: where.append(threading.current_thread().name) or decode(*a))
+
+    def result(i: int) -> Results:
+        r = Results(request_id=f"r{i}", prompt_len=2, token_ids=[1, 2, 3], model="m", index=0)
+        r.activations["resid_post"] = {3: torch.full((3, 1 << 17), float(i)).bfloat16()}    # 768 KiB
+        r.positions["resid_post"] = {3: torch.arange(3)}
+        r.widen_to = "float32"
+        return r
+
+    blobs = {i: result(i).to_bytes() for i in range(4)}
+    path = tmp_path / f"{LOCAL_PREFIX}0"
+    path.write_bytes(blobs[0])
+    unreadable = tmp_path / "not-ours"
+    unreadable.write_bytes(blobs[2])
+    entries = [
+        {"index": 0, "format": "safetensors", "bytes": len(blobs[0]), "handle": "h0", "local": str(path)},
+        {"index": 1, "format": "safetensors", "bytes": len(blobs[1]), "handle": "h1"},
+        {"index": 2, "format": "safetensors", "bytes": len(blobs[2]), "handle": "h2", "local": str(unreadable)},
+        {"index": 3, "format": "safetensors", "bytes": len(blobs[3]), "data": base64.b64encode(blobs[3]).decode()},
+        {"index": 4, "format": "tokens", "bytes": 0, "errors": [], "meta": {"request_id": "r4", "index": 0, "model": "m"}},
+    ]
+    response = {"choices": [{"index": i, "token_ids": [3], "prompt_token_ids": [1, 2]} for i in range(5)],
+                "vllm_hook": {"results": entries[::-1]}}
+    released, fetched = [], []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == client_mod.RELEASE_PATH:
+            released.extend(json.loads(request.content)["handles"])
+            return httpx.Response(200, json={"released": 1})
+        handle = request.url.path.rsplit("/", 1)[-1]
+        fetched.append(handle)
+        return httpx.Response(200, content=blobs[int(handle[1:])])
+
+    async def main():
+        http = httpx.AsyncClient(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(handler))
+        async with client_mod.AsyncClient("http://127.0.0.1:1", http=http, local_results=True) as ac:
+            return await ac.results_of(response)
+
+    got = asyncio.run(main())
+    assert sorted(fetched) == ["h1", "h2"] and released == ["h0"]
+    assert [r.request_id for r in got] == ["r0", "r1", "r2", "r3", "r4"]
+    for i, r in enumerate(got[:4]):
+        t = r.activations["resid_post"][3]
+        assert t.dtype == torch.float32 and torch.equal(t, torch.full((3, 1 << 17), float(i)))
+    assert got[4].token_ids == [1, 2, 3] and not got[4].activations
+    assert len(where) == 5 and all(w.startswith("vllm_hook_decode") == (threads > 1) for w in where)
