@@ -112,15 +112,11 @@ def _cpu(pid: int) -> float:
     return t.user + t.system
 
 
-async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | None = None,
-                  decode_threads: int | None = None) -> dict:
+async def measure(url: str, n: int, rounds: int, pid: int, per_response: int | None = None) -> dict:
     import httpx
 
     from vllm_hook import AsyncClient
     from vllm_hook import client as client_mod
-
-    if decode_threads is not None:
-        client_mod.DECODE_THREADS = decode_threads
 
     # The client's two stages, timed where they run (wall ms summed over a round): reading a
     # result file (`_read_local`) and decoding a result (`_decode`: parsing and widening)
@@ -191,8 +187,6 @@ def main() -> None:
                     "responses' results read at once: 1 is a served batch's (one result per request)")
     ap.add_argument("--out")
     ap.add_argument("--src", help="the plugin's src/ to measure (default: this tree's); the server process uses it too")
-    ap.add_argument("--decode-threads", type=int, help="the client's decoding threads (`client.DECODE_THREADS`; "
-                    "1: decoded on the event loop; default: the client's choice for this host)")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
@@ -221,8 +215,7 @@ def main() -> None:
 
         res = {"src": str(Path(vllm_hook.__file__).parent.parent), "results": args.results, "per_response": args.per_response or args.results, "rows": args.rows, "hidden": args.hidden,
                "mb_per_result_bf16": round(4 * args.rows * args.hidden * 2 / 1e6, 2), "rounds": args.rounds,
-               "decode_threads": args.decode_threads,
-               **asyncio.run(measure(url, args.results, args.rounds, proc.pid, args.per_response, args.decode_threads)), "host": host_probe(), "cpus": os.cpu_count()}
+               **asyncio.run(measure(url, args.results, args.rounds, proc.pid, args.per_response)), "host": host_probe(), "cpus": os.cpu_count()}
     finally:
         # SIGINT: uvicorn stops, and the process exits as a server does (its result store's
         # files removed); after SIGTERM uvicorn re-raises it, and the process dies at once

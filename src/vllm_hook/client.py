@@ -23,7 +23,6 @@ import json
 import os
 import stat
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -395,37 +394,6 @@ def _decode(entry: dict, data: bytes | memoryview | None, choices: dict) -> Resu
         else:
             r.token_ids = [*prompt, *gen]
     return r
-
-
-# `AsyncClient`: a response's results from this many bytes are read and decoded on threads of
-# its own (file reads and the widening release the GIL), at most DECODE_THREADS at once for
-# every client of the process, where it has 8 CPUs or more: a served batch's responses all
-# arrive at its last step, and one after another on the event loop they took 1.8 to 2.6 ms a
-# 3.1 MB result on a GPU host (`benchmarks/served_delivery.py`, runs 162 to 164). With one
-# such thread nothing is decoded side by side: the event loop decodes them itself.
-OFF_LOOP_FROM = RECYCLE_FROM
-DECODE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
-_decoders: ThreadPoolExecutor | None = None
-
-
-def _decoder() -> ThreadPoolExecutor:
-    global _decoders
-    if _decoders is None:
-        _decoders = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="vllm_hook_decode")
-    return _decoders
-
-
-def _read_and_decode(entries: list[dict], local: bool, choices: dict
-                     ) -> tuple[dict[int, Results], list[int], list[str]]:
-    """`_plan` and `_decode` of what needs no fetch: (Results by entry position, the entry
-    positions to fetch, the handles read from files)."""
-    datas, fetch, release = _plan(entries, local)
-    skip = set(fetch)
-    return _decode_each(entries, {i: d for i, d in enumerate(datas) if i not in skip}, choices), fetch, release
-
-
-def _decode_each(entries: list[dict], datas: dict[int, Any], choices: dict) -> dict[int, Results]:
-    return {i: _decode(entries[i], d, choices) for i, d in datas.items()}
 
 
 def _generation(body: dict, pairs: list[tuple[int, Results]], chat: bool) -> Generation:
@@ -815,8 +783,6 @@ class AsyncClient(_Core):
 
     async def _pairs(self, response: Any) -> list[tuple[int, Results]]:
         entries = _entries(response)
-        if DECODE_THREADS > 1 and sum(e.get("bytes") or 0 for e in entries) >= OFF_LOOP_FROM:
-            return await self._pairs_off_loop(entries, response)
         # Only results kept by handle and not read from their files need a round trip (those
         # at once); inline ones are decoded here, without a task each: a batch's responses all
         # arrive at its last step.
@@ -829,22 +795,6 @@ class AsyncClient(_Core):
                 datas[i] = data
         choices = _choices_for(entries, response)
         return [(e["index"], _decode(e, d, choices)) for e, d in zip(entries, datas)]
-
-    async def _pairs_off_loop(self, entries: list[dict], response: Any) -> list[tuple[int, Results]]:
-        """`_pairs` of large results: their files read and their bytes decoded on the
-        decoding threads (`_decoder`), off the event loop, so that a batch's responses are
-        decoded side by side."""
-        loop = asyncio.get_running_loop()
-        choices = _choices_for(entries, response)
-        done, fetch, release = await loop.run_in_executor(_decoder(), _read_and_decode, entries,
-                                                          self.local_results, choices)
-        if release:                         # first: a fetch that fails must not keep them
-            self._release_soon(release)
-        if fetch:
-            got = await asyncio.gather(*(self._fetch(entries[i]["handle"]) for i in fetch))
-            done.update(await loop.run_in_executor(_decoder(), _decode_each, entries, dict(zip(fetch, got)),
-                                                   choices))
-        return [(e["index"], done[i]) for i, e in enumerate(entries)]
 
     async def register_vectors(self, vectors: Mapping[str, Any]) -> list[str]:
         body = {k: _wire_vector(v) for k, v in vectors.items()}
