@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import itertools
 import json
 import os
@@ -92,8 +93,11 @@ def serve(port: int, rows: int, hidden: int) -> None:
     app.include_router(router)
     turn = itertools.count()
 
+    # (`threaded`: as on the API server's encoding threads; a tree before it has no such argument)
+    threaded = {"threaded": True} if "threaded" in inspect.signature(encode.encode_one).parameters else {}
+
     def entries(n: int, local: bool) -> list[dict]:
-        return [encode.encode_one(made[next(turn) % kinds], i, store, cfg, stacked=True, local=local)
+        return [encode.encode_one(made[next(turn) % kinds], i, store, cfg, stacked=True, local=local, **threaded)
                 for i in range(n)]
 
     @app.post("/bench/make")

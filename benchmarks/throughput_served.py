@@ -175,25 +175,35 @@ async def counters(driver: Driver) -> dict:
 
 class Sampler:
     """`--profile-api`: py-spy sampling a server's API process (native frames and thread ids
-    included: torch's and the plugin's threads apart) while one batch runs, its collapsed
-    stacks to a file. py-spy pauses the process for each sample: a profiled batch's times are
-    not figures."""
+    included) while one batch runs, its collapsed stacks to a file, and each thread's CPU
+    seconds meanwhile (py-spy sees Python threads only, not torch's) to `*.threads.json`.
+    py-spy pauses the process for each sample: such batches run after a case's measured reps
+    and are left out of its figures (`profiled`)."""
 
     def __init__(self, exe: str, pid: int, out: Path):
         import subprocess
 
         self.pid, self.out, self.cpu0 = pid, out, thread_cpu(pid)
-        self.proc = subprocess.Popen([exe, "record", "--native", "--threads", "--rate", "100",
-                                      "--format", "raw", "--output", str(out), "--pid", str(pid)],
-                                     stdout=subprocess.DEVNULL, stderr=open(f"{out}.log", "w"))
-        time.sleep(1.0)                            # attached before the batch starts
+        with open(f"{out}.log", "w") as log:
+            self.proc = subprocess.Popen([exe, "record", "--native", "--threads", "--rate", "100",
+                                          "--format", "raw", "--output", str(out), "--pid", str(pid)],
+                                         stdout=subprocess.DEVNULL, stderr=log)
+        # (blocking: the client runs nothing else now) attached before the batch starts
+        time.sleep(1.0)
+        if self.proc.poll() is not None:
+            print(f"[profile] py-spy exited at once (rc {self.proc.returncode}): see {out}.log", flush=True)
 
     def stop(self) -> None:
         import signal
+        import subprocess
 
-        self.proc.send_signal(signal.SIGINT)      # py-spy writes its file on SIGINT
-        self.proc.wait(60)
-        # each thread's CPU seconds meanwhile: py-spy sees Python threads only (not torch's)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)      # py-spy writes its file on SIGINT
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         cpu = thread_cpu(self.pid)
         got = sorted(((round(c - self.cpu0.get(t, (name, 0.0))[1], 3), t, name) for t, (name, c) in cpu.items()),
                      reverse=True)
@@ -201,10 +211,15 @@ class Sampler:
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """Thread id -> (name, CPU seconds so far) of process `pid`'s threads (Linux's /proc)."""
+    """Thread id -> (name, CPU seconds so far) of process `pid`'s threads (Linux's /proc);
+    empty once it has ended."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
         try:
             name = (task / "comm").read_text().strip()
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
@@ -214,15 +229,23 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-PROFILE: dict = {}       # `--profile-api`: {"exe": py-spy, "dir": where, "reps": reps to sample}
+PROFILE: dict = {}       # `--profile-api`: {"exe": py-spy, "dir": where, "reps": hooked batches to sample}
 
 
-def profiler(driver: "Driver", label: str, rep: int) -> Sampler | None:
-    """A sampler of `driver`'s server API process for the batch about to run, if asked for."""
-    if not PROFILE or driver.server is None or rep >= PROFILE["reps"]:
-        return None
+async def profiled(driver: "Driver", label: str, n: int, plen: int, gen: int, specs: list, vocab: int) -> list[float]:
+    """`--profile-reps` hooked batches of a case, each sampled (`Sampler`), after its measured
+    reps: their seconds, which are not figures."""
+    if not PROFILE or driver.server is None:
+        return []
     way = "files" if driver.client.local_results else "http"
-    return Sampler(PROFILE["exe"], driver.server.pid, Path(PROFILE["dir"]) / f"api-{label}-{way}-{rep}.txt")
+    took = []
+    for rep in range(PROFILE["reps"]):
+        spy = Sampler(PROFILE["exe"], driver.server.pid, Path(PROFILE["dir"]) / f"api-{label}-{way}-{rep}.txt")
+        try:
+            took.append(await driver.batch(prompts(n, plen, vocab, seed=next(FRESH)), gen, specs))
+        finally:
+            spy.stop()
+    return took
 
 
 async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
@@ -243,10 +266,7 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
             # cache that one wrote (steering's salt keeps its own out; a capture's and an
             # unhooked batch's would not), and the rep's second batch on a server would gain.
             ps = prompts(n, plen, vocab, seed=next(FRESH))
-            spy = profiler(drivers[server], f"{name}-{n}", rep) if key == "hooked_s" else None
             row[key] = await drivers[server].batch(ps, gen, sp)
-            if spy is not None:
-                spy.stop()
             if g0 is not None:       # the plugin server's collector: its API process, rank 0's
                 g1 = await counters(drivers[server])
                 row[key.replace("_s", "_server_gc_s")] = [g1.get(k, 0) - g0.get(k, 0)
@@ -259,7 +279,9 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
             row["native_s"] = (row["native_s"] + row.pop("native_2_s")) / 2
         rows.append(row)
     after = await counters(drivers["plugin"])
+    sampled = await profiled(drivers["plugin"], f"{name}-{n}x{plen}+{gen}", n, plen, gen, specs, vocab)
     res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows,
+           **({"profiled_s": sampled} if sampled else {}),
            "host_us_per_request": {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / (n * reps)
                                    for k, label in SERVED_STAGES.items()},
            # the hooked requests fetched while they decoded (`FetchBatcher.hold`), a share
@@ -399,9 +421,9 @@ def main() -> None:
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the client's heap to Python's collector (default: frozen once set up)")
     ap.add_argument("--profile-api", metavar="PY_SPY",
-                    help="sample the plugin server's API process with this py-spy during the first "
-                         "--profile-reps hooked batches of each case (collapsed stacks in --out; those "
-                         "batches' times are perturbed)")
+                    help="sample the plugin server's API process with this py-spy during --profile-reps "
+                         "extra hooked batches of each case, after its measured reps and left out of its "
+                         "figures (collapsed stacks and each thread's CPU seconds in --out)")
     ap.add_argument("--profile-reps", type=int, default=1)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny batches")
     ap.add_argument("--smoke-layers", type=int, default=4, help="--smoke: layers of the tiny Qwen2")

@@ -1067,7 +1067,9 @@ def test_a_served_results_stacked_layers_are_written_from_their_rows(tmp_path):
     """A served result's layers of a site, blocks of the fetch's payload apart from one
     another (layer by layer, every request's rows in turn), are written to its file straight
     from those blocks (`Stacked`: no stacked copy first); the file holds what `to_bytes`
-    holds, read back the same; with a hook result of a dtype the layout lacks, `to_bytes`."""
+    holds, read back the same, as do the API server's encodings of it (inline on the event
+    loop or an encoding thread, as a file below the inline bound); with a hook result of a
+    dtype the layout lacks, `to_bytes`."""
     import os
 
     from vllm_hook.delivery.store import Stacked, StParts
@@ -1095,6 +1097,23 @@ def test_a_served_results_stacked_layers_are_written_from_their_rows(tmp_path):
             assert torch.equal(back.activations["resid_post"][x], r.activations["resid_post"][x])
             assert torch.equal(back.positions["resid_post"][x], pos)
     assert isinstance(r._payload(stacked=True, lazy=True)[0]["resid_post.*"], Stacked)
+    # The API server's encoding: inline, on the event loop or an encoding thread (joined from
+    # the parts there); kept as a file from the parts, however small the inline bound
+    import base64
+
+    from vllm_hook.config import HookConfig
+    from vllm_hook.server import encode
+    from vllm_hook.server.store import ResultStore
+
+    cfg = HookConfig()
+    store = ResultStore(cfg.max_retained_bytes, cfg.result_ttl_s, local_dir=str(tmp_path))
+    blobs = [base64.b64decode(encode.encode_one(r, 0, store, cfg, stacked=True, threaded=t)["data"]) for t in (False, True)]
+    small = HookConfig(max_inline_result_bytes=100, local_results=True)
+    entry = encode.encode_one(r, 0, store, small, stacked=True, local=True)
+    blobs.append(open(entry["local"], "rb").read())
+    for blob in blobs:
+        back = Results.from_bytes(blob)
+        assert all(torch.equal(back.activations["resid_post"][x], r.activations["resid_post"][x]) for x in (1, 3, 5, 7))
     r.hook_results = [{"ids": torch.arange(3).to(torch.uint32)}]
     back = Results.from_bytes(r.to_parts(stacked=True))
     assert torch.equal(back.activations["resid_post"][5], r.activations["resid_post"][5])

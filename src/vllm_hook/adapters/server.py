@@ -285,7 +285,7 @@ async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked
         body = encode.payload(sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless, local)
     else:
         body = await asyncio.get_running_loop().run_in_executor(
-            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless, local)
+            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless, local, True)
     sv.frontend.timing["encode_s"] += time.perf_counter() - t0
     return body
 

@@ -25,6 +25,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -281,7 +282,7 @@ class Chunked:
         return torch.cat(self.parts, dim=1, out=host_empty(tuple(self.shape), self.dtype))
 
 
-def as_tensor(t: "torch.Tensor | Chunked") -> torch.Tensor:
+def as_tensor(t: "torch.Tensor | Chunked | Any") -> torch.Tensor:
     """A real tensor of `t` (a `Chunked`, or another such part list with `tensor()`)."""
     return t if isinstance(t, torch.Tensor) else t.tensor()
 

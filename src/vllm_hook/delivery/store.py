@@ -217,9 +217,12 @@ class Stacked:
     __slots__ = ("parts", "shape", "dtype")
 
     def __init__(self, parts: list[torch.Tensor]):
+        first = parts[0]
+        # (a part of another shape or dtype would make a header that disagrees with the bytes)
+        assert all(p.shape == first.shape and p.dtype == first.dtype for p in parts), "Stacked: unlike parts"
         self.parts = parts
-        self.shape = torch.Size((len(parts), *parts[0].shape))
-        self.dtype = parts[0].dtype
+        self.shape = torch.Size((len(parts), *first.shape))
+        self.dtype = first.dtype
 
     def numel(self) -> int:
         return math.prod(self.shape)

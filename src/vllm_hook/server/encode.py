@@ -176,7 +176,7 @@ def _shows(r: Results, shown: tuple[list, list] | None) -> bool:
 
 def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
                shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False,
-               tokenless: bool = False, local: bool = False) -> dict[str, Any]:
+               tokenless: bool = False, local: bool = False, threaded: bool = False) -> dict[str, Any]:
     if shown is not None and bare(r, shown.get(index)):
         # `meta`: what the tokens do not tell (its "index" is the Results' own: the child of
         # an n > 1 request; the entry's is the response's choice)
@@ -190,14 +190,13 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
                 "handle": None, "errors": list(r.errors), "tokens": CHOICE}
     # Too large to inline (its activations alone) and for a client that reads files: written
     # to its file from the tensors (`StParts`), no bytes object made of them first. In memory
-    # a result is one bytes object, which a fetch sends without a copy; from ON_LOOP_BELOW
-    # (encoded on the encoding threads) joined from its parts too, byte copies where
-    # `to_bytes` would stack a site's layers with torch first (a team of torch's threads
-    # woken by each encoding thread)
-    size = result_nbytes(r)
-    if size >= ON_LOOP_BELOW:
+    # a result is one bytes object, which a fetch sends without a copy; on the encoding
+    # threads (`threaded`) joined from its parts too, byte copies where `to_bytes` would stack
+    # a site's layers with torch first (each encoding thread waking a team of torch's threads)
+    to_file = local and cfg.local_results and result_nbytes(r) > cfg.max_inline_result_bytes
+    if to_file or (threaded and r.activations):
         data = r.to_parts(stacked, tokens=not choice)
-        if not (local and cfg.local_results and size > cfg.max_inline_result_bytes) and isinstance(data, StParts):
+        if not to_file and isinstance(data, StParts):
             data = data.to_bytes()
     else:
         data = r.to_bytes(stacked, tokens=not choice)
@@ -223,13 +222,14 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
 
 def payload(sink: Sink, store: ResultStore, cfg: HookConfig,
             shown: dict[int, tuple[list, list]] | None = None, stacked: bool = False,
-            tokenless: bool = False, local: bool = False) -> dict[str, Any]:
+            tokenless: bool = False, local: bool = False, threaded: bool = False) -> dict[str, Any]:
     """The `"vllm_hook"` field. `index` is the response's choice index (prompt * n + child).
     `shown`: the token ids (prompt's, generated) the response shows for each choice index
     (`shown_tokens`), for a client that reads "tokens" entries; None: safetensors only
     (a stream, whose results event stands alone, or another client). `stacked`: the client
     reads stacked sites; `tokenless`: tokenless safetensors (with `shown`); `local`: the
-    client reads files (`LOCAL`)."""
+    client reads files (`LOCAL`); `threaded`: encoded on an encoding thread (no torch work
+    there, `encode_one`)."""
     entries = []
     for slot, got in enumerate(sink.slots):
         if got is None:
@@ -237,7 +237,7 @@ def payload(sink: Sink, store: ResultStore, cfg: HookConfig,
         group = got if isinstance(got, list) else [got]
         for r in group:
             entries.append(encode_one(r, slot * len(group) + r.index, store, cfg, shown, stacked, tokenless,
-                                      local))
+                                      local, threaded))
     return {"results": sorted(entries, key=lambda e: e["index"])}
 
 
