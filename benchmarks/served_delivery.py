@@ -8,8 +8,8 @@ kept by handle, and its client's CPU time was most of the batch's extra time. Th
 delivery alone on this host, with the plugin's own pieces: a server process (uvicorn) with the
 plugin's routes (`server.routes`) and result store (`server.store`), the results encoded as
 the API server encodes them (`server.encode.encode_one` on its encoding threads, the responses
-asked for at once as a batch's requests finish; each result's layers laid out apart, as a
-fetch's payload holds them), and `vllm_hook.AsyncClient` turning a
+asked for at once as a batch's requests finish; each result's layers back to back, as the
+frontend holds them), and `vllm_hook.AsyncClient` turning a
 response's entries into `Results` (`results_of`): with `local_results` (read from their files,
 released in one call) and without (one GET each, `?delete=true`), alternating, medians of
 `--rounds`. Reports the client's wall and CPU time per result (and, of its wall, the file
@@ -75,16 +75,18 @@ def serve(port: int, rows: int, hidden: int) -> None:
     store = ResultStore(cfg.max_retained_bytes, cfg.result_ttl_s, local_dir=cfg.result_spill_dir)
     engine = type("Engine", (), {})()
     engine.__dict__[SERVED_ATTR] = Served(None, store)
-    # Rows laid out as a fetch's payload holds them: layer by layer, every request's block in
-    # turn (a request's layers apart from one another), for KINDS requests' results in turn
+    # Rows as the API server holds such results: each request's layers back to back in a
+    # block of its own (the frontend joins a large result's prompt block and decode runs so),
+    # KINDS requests' results in turn. (Layers apart, as small results packed across a fetch's
+    # requests lie, stood in for them in runs 166 and 168.)
     layers, kinds = (4, 9, 16, 26), 16
-    payload = torch.randn(len(layers), kinds, rows, hidden).to(torch.bfloat16)
+    payload = torch.randn(kinds, len(layers), rows, hidden).to(torch.bfloat16)
     pos = torch.arange(rows)
     made = []
     for k in range(kinds):
         r = Results(request_id=f"cmpl-{k}", prompt_len=rows // 2, token_ids=list(range(rows + 1)), model="m")
         for i, layer in enumerate(layers):
-            r.activations.setdefault("resid_post", {})[layer] = payload[i, k]
+            r.activations.setdefault("resid_post", {})[layer] = payload[k, i]
             r.positions.setdefault("resid_post", {})[layer] = pos
         r.widen_to = "float32"
         made.append(r)

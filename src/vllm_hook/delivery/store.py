@@ -211,8 +211,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 class Stacked:
     """Tensors of one shape and dtype as one [len(parts), ...] tensor not yet copied together
-    (a served result's layers of a site, each a block of the fetch's payload): `StParts`
-    writes each part to its place in the file."""
+    (a served result's layers of a site where they are apart: rows packed across a fetch's
+    requests, `PACK_BELOW`): `StParts` writes each part to its place in the file."""
 
     __slots__ = ("parts", "shape", "dtype")
 
