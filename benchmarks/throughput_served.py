@@ -279,9 +279,7 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
             row["native_s"] = (row["native_s"] + row.pop("native_2_s")) / 2
         rows.append(row)
     after = await counters(drivers["plugin"])
-    sampled = await profiled(drivers["plugin"], f"{name}-{n}x{plen}+{gen}", n, plen, gen, specs, vocab)
     res = {"workload": name, "n": n, "prompt_len": plen, "gen": gen, "reps": rows,
-           **({"profiled_s": sampled} if sampled else {}),
            "host_us_per_request": {label: 1e6 * (after.get(k, 0) - before.get(k, 0)) / (n * reps)
                                    for k, label in SERVED_STAGES.items()},
            # the hooked requests fetched while they decoded (`FetchBatcher.hold`), a share
@@ -308,6 +306,13 @@ async def run_case(drivers, name, spec_of, n, plen, gen, reps, vocab) -> dict:
     print(f"  {name:30s} n={n:<4d} {plen}+{gen}: in-engine {res['in_engine'][0]:.3f} "
           f"[{res['in_engine'][1]:.3f}, {res['in_engine'][2]:.3f}]  vs native {res['vs_native'][0]:.3f}  "
           f"native {1e3 * min(r['native_s'] for r in rows):.0f} ms", flush=True)
+    try:         # (after the figures: a profiling failure costs the profile alone)
+        sampled = await profiled(drivers["plugin"], f"{name}-{n}x{plen}+{gen}", n, plen, gen, specs, vocab)
+        if sampled:
+            res["profiled_s"] = sampled
+    except Exception as e:
+        res["profile_error"] = repr(e)
+        print(f"[profile] {name} n={n}: {e!r}", flush=True)
     return res
 
 

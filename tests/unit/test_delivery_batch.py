@@ -1063,7 +1063,7 @@ def test_st_parts_are_the_safetensors_bytes_of_their_tensors(tmp_path):
     assert isinstance(got, bytes) and torch.equal(Results.from_bytes(got).hook_results[0]["ids"], torch.arange(3).to(torch.uint32))
 
 
-def test_a_served_results_stacked_layers_are_written_from_their_rows(tmp_path):
+def test_a_served_results_stacked_layers_are_written_from_their_rows(tmp_path, monkeypatch):
     """A served result's layers of a site, blocks of the fetch's payload apart from one
     another (layer by layer, every request's rows in turn), are written to its file straight
     from those blocks (`Stacked`: no stacked copy first); the file holds what `to_bytes`
@@ -1107,10 +1107,17 @@ def test_a_served_results_stacked_layers_are_written_from_their_rows(tmp_path):
 
     cfg = HookConfig()
     store = ResultStore(cfg.max_retained_bytes, cfg.result_ttl_s, local_dir=str(tmp_path))
-    blobs = [base64.b64decode(encode.encode_one(r, 0, store, cfg, stacked=True, threaded=t)["data"]) for t in (False, True)]
+    stacks = []
+    stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or stack(*a, **k))
+    blobs = [base64.b64decode(encode.encode_one(r, 0, store, cfg, stacked=True)["data"])]
+    assert stacks == [1]                   # on the event loop: `to_bytes`, as before
+    blobs.append(base64.b64decode(encode.encode_one(r, 0, store, cfg, stacked=True, threaded=True)["data"]))
     small = HookConfig(max_inline_result_bytes=100, local_results=True)
     entry = encode.encode_one(r, 0, store, small, stacked=True, local=True)
     blobs.append(open(entry["local"], "rb").read())
+    assert stacks == [1]                   # on an encoding thread and into a file: no torch copy
+    monkeypatch.undo()
     for blob in blobs:
         back = Results.from_bytes(blob)
         assert all(torch.equal(back.activations["resid_post"][x], r.activations["resid_post"][x]) for x in (1, 3, 5, 7))

@@ -19,6 +19,7 @@ and the plugin's routes on vLLM's app.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -284,8 +285,8 @@ async def _encode(serving: Any, sink: encode.Sink, response: Any = None, stacked
     if encode.nbytes(sink) < encode.ON_LOOP_BELOW:
         body = encode.payload(sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless, local)
     else:
-        body = await asyncio.get_running_loop().run_in_executor(
-            _encoder(), encode.payload, sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless, local, True)
+        body = await asyncio.get_running_loop().run_in_executor(_encoder(), functools.partial(
+            encode.payload, sink, sv.store, sv.frontend.cfg, shown, stacked, tokenless, local, threaded=True))
     sv.frontend.timing["encode_s"] += time.perf_counter() - t0
     return body
 

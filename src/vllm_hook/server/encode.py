@@ -192,7 +192,8 @@ def encode_one(r: Results, index: int, store: ResultStore, cfg: HookConfig,
     # to its file from the tensors (`StParts`), no bytes object made of them first. In memory
     # a result is one bytes object, which a fetch sends without a copy; on the encoding
     # threads (`threaded`) joined from its parts too, byte copies where `to_bytes` would stack
-    # a site's layers with torch first (each encoding thread waking a team of torch's threads)
+    # a site's layers with torch first (each encoding thread waking a team of torch's threads;
+    # a hook result of a dtype `StParts` lacks still goes through `to_bytes`)
     to_file = local and cfg.local_results and result_nbytes(r) > cfg.max_inline_result_bytes
     if to_file or (threaded and r.activations):
         data = r.to_parts(stacked, tokens=not choice)
