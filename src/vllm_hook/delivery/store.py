@@ -248,12 +248,11 @@ class StParts:
     __slots__ = ("header", "parts", "size")
 
     def __init__(self, tensors: dict[str, Any], metadata: dict[str, str]):
-        tensors = {k: t if isinstance(t, Stacked) else as_tensor(t).contiguous() for k, t in
-                   sorted(tensors.items(), key=lambda kv: -kv[1].dtype.itemsize)}
+        tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].dtype.itemsize))
         self.header, self.size = spill_mod.layout(tensors, metadata)
         self.parts, at = [], len(self.header)        # (uint8 view, offset in the bytes)
         for t in tensors.values():
-            for part in t.parts if isinstance(t, Stacked) else (t,):
+            for part in t.parts if isinstance(t, Stacked) else (as_tensor(t),):
                 n = part.numel() * part.element_size()
                 if n:
                     self.parts.append((part.contiguous().view(-1).view(torch.uint8), at))
