@@ -12,7 +12,10 @@ worker makes its fetch reply there: counted in the prefill routing, no longer in
 with `--served`, also what a served response adds: the client's request body for the spec, the
 server's encoding of each request's results (`server.encode`) and the client's decoding
 (`Results.from_bytes`; a steering-only result from its choice's tokens), for results built in
-float32 (as offline) and in the model's dtype, widened where loaded (as served). Prints
+float32 (as offline) and in the model's dtype, widened where loaded (as served: rows the worker
+lent as several parts left as those, `wire`, beside joined in the parse as before,
+`wire_joined`; each also written to a result file, `*_file`, as for a client on the server's
+host). Prints
 microseconds per request. A smoke test runs it in CI; the figures of record are the GPU's
 (benchmarks/throughput.py).
 """
@@ -128,16 +131,22 @@ def step(rt: HookRuntime, ids: list[str], rows_each: int, computed: list[int]) -
     return time.perf_counter() - t
 
 
-def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
+def served_cost(opened, fetched, keys, items, points, gen, cfg, files: str) -> dict:
     """µs per request of a served response's results: the server's parse and build, its
     encoding and the client's decoding, for results built in float32 and in the model's dtype
-    (widened by the client)."""
+    (widened by the client); in the model's dtype also as served now (`wire`: rows the worker
+    lent as several parts left as those, `parse_batch(join=False)`) beside joined in the parse
+    (`wire_joined`, as before), and each encoded into a file in `files` too (`*_file`: the
+    encoding of a result for a client on the server's host)."""
     out, store = {}, ResultStore(1 << 40, 600.0)
-    for label, dtype, widen in (("float32", "float32", None), ("wire", "model", "float32")):
+    kept = ResultStore(1 << 40, 600.0, local_dir=files)
+    to_files = HookConfig(max_inline_result_bytes=cfg.max_inline_result_bytes, local_results=True)
+    for label, dtype, widen, join in (("float32", "float32", None, True), ("wire", "model", "float32", False),
+                                      ("wire_joined", "model", "float32", True)):
         built, t = [], time.perf_counter()
         for k in keys:
-            r = build([opened.part(e, dtype) for e in fetched.get(k, [])], items, points, request_id="r", prompt_token_ids=list(range(P)),
-                      output_token_ids=gen, dtype=dtype)
+            r = build([opened.part(e, dtype, join=join) for e in fetched.get(k, [])], items, points, request_id="r",
+                      prompt_token_ids=list(range(P)), output_token_ids=gen, dtype=dtype)
             r.widen_to = widen
             built.append(r)
         t_build = time.perf_counter() - t
@@ -155,6 +164,18 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg) -> dict:
                     f"served_encode_{label}_us": 1e6 * t_enc / len(keys),
                     f"client_decode_{label}_us": 1e6 * t_dec / len(keys),
                     f"served_bytes_{label}": sum(e["bytes"] for e in entries) / len(keys)})
+        if label != "float32":
+            # stacked sites, as the plugin's clients read them; a large result into its file
+            # (twice, the second timed: into the files the first released, as a server's
+            # steady state reuses them)
+            for _ in range(2):
+                t = time.perf_counter()
+                handles = [encode.encode_one(r, 0, kept, to_files, shown, stacked=True, local=True)["handle"]
+                           for r in built]
+                out[f"served_encode_{label}_file_us"] = 1e6 * (time.perf_counter() - t) / len(keys)
+                for h in handles:
+                    if h:
+                        kept.delete(h)      # released: its file kept for reuse
     return out
 
 
@@ -236,7 +257,8 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
         bad = [o.request_id for o in outputs if getattr(o, ATTR).errors]
         if bad:
             raise SystemExit(f"{name}: requests {bad[:4]} got errors: {getattr(outputs[0], ATTR).errors}")
-        served = served_cost(opened, fetched, keys, items if stored else [], st.points, gen, cfg) if args.served else {}
+        served = served_cost(opened, fetched, keys, items if stored else [], st.points, gen, cfg,
+                             spill["dir"]) if args.served else {}
     if args.served:
         served["client_spec_us"] = client_spec_us(spec, n)
     return {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,

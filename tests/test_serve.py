@@ -54,6 +54,9 @@ def _steer(op: str, layer: int, seed: int, **kw) -> dict:
 # name -> (prompt ids, spec, max_tokens). Each is run solo offline; over HTTP, alone or mixed.
 CASES = {
     "capture_all": (P1, {"capture": [{"layers": "all", "site": s} for s in ALL_SITES]}, 6),
+    # every token, each point read once: the build hands on the worker's lent parts unjoined
+    "capture_every_token": (P3, {"capture": [{"layers": "all", "site": s, "tokens": "all"}
+                                             for s in ("resid_post", "attn_out", "mlp_out")]}, 12),
     "capture_last_prompt": (P2, {"capture": [{"layers": [1, -1], "tokens": "last_prompt"}]}, 4),
     "capture_generated": (P3, {"capture": [{"layers": [2], "site": "mlp_out", "tokens": "generated"}]}, 5),
     "capture_positions": (P1, {"capture": [{"layers": [0, 3], "site": "attn_out", "tokens": [0, 2, -1]}]}, 3),
@@ -158,6 +161,18 @@ def test_large_results_travel_by_handle_and_are_deleted(server, client, refs):
         _check_case("capture_all", out, refs)
         # The client fetched or released the handle: deleted.
         assert httpx.get(f"{server.url}/v1/hook/results/{entry['handle']}", headers=head).status_code == 404
+    # Every-token rows the worker lent as a prompt block and decode runs are written to the
+    # result's file (or its bytes) from those parts, never joined on the event loop
+    ids, spec, n = CASES["capture_every_token"]
+    before = httpx.get(f"{server.url}/v1/hook/health", headers=head).json()["frontend"]["results_from_parts"]
+    for local in (True, False):
+        with vllm_hook.Client(server.url, api_key=API_KEY, local_results=local) as c:
+            out = c.generate(ids, spec, max_tokens=n, temperature=0)
+        assert bool(out.raw["vllm_hook"]["results"][0].get("local")) is local
+        _check_case("capture_every_token", out, refs)
+    after = httpx.get(f"{server.url}/v1/hook/health", headers=head).json()["frontend"]["results_from_parts"]
+    assert after == before + 2, (before, after)
+    ids, spec, n = CASES["capture_all"]
     # AsyncClient: concurrent responses' files read, their handles released in the
     # background (`release_pending`, or closing the client, waits; the event loop's end
     # releases what is left)
@@ -324,7 +339,7 @@ def test_client_chat_equals_offline(client, refs):
 
 
 def test_concurrent_requests_stay_isolated(server, refs):
-    """Eight requests with different specs at once: each equals its solo offline result."""
+    """Nine requests with different specs at once: each equals its solo offline result."""
     names = list(CASES)
 
     async def main():
@@ -334,7 +349,7 @@ def test_concurrent_requests_stay_isolated(server, refs):
                 for n in names))
 
     outs = asyncio.run(main())
-    assert len(names) == 8
+    assert len(names) == 9
     for name, out in zip(names, outs):
         _check_case(name, out, refs)
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from . import __version__
 from .delivery.spill import ST_DTYPES
 from .delivery.store import Stacked, StParts, st_bytes, st_tensors
-from .delivery.hostmem import CHUNK_BYTES, copy_many, host_empty
+from .delivery.hostmem import CHUNK_BYTES, as_tensor, copy_many, host_empty
 from .delivery.store import points_from_bytes
 from .model.layout import PointTable
 from .spec.errors import HookRuntimeError
@@ -67,7 +67,7 @@ class Results:
         first = self.positions[site][order[0]]
         if any(not torch.equal(self.positions[site][L], first) for L in order[1:]):
             raise ValueError(f"{site} layers hold different positions; index activations per layer")
-        return torch.stack([by_layer[L] for L in order])
+        return torch.stack([as_tensor(by_layer[L]) for L in order])
 
     @property
     def residual_stream(self) -> torch.Tensor:
@@ -93,7 +93,7 @@ class Results:
                 tensors[f"{site}.{STACK}"], tensors[f"{site}.{STACK}.positions"] = block
                 continue
             for layer, t in per_layer.items():
-                tensors[f"{site}.{layer}"] = t
+                tensors[f"{site}.{layer}"] = t if lazy else as_tensor(t)
                 tensors[f"{site}.{layer}.positions"] = pos[layer]
         meta = {
             "vllm_hook_version": __version__,
@@ -202,11 +202,18 @@ def _stack(per_layer: dict[int, torch.Tensor], pos: dict[int, torch.Tensor], laz
     share one positions tensor, their shape and dtype (a capture group's do); else None. Rows
     that lie back to back in one block (a request's own group) are that block, viewed; rows
     packed across a fetch's requests are copied (one `torch.stack`), or with `lazy` left
-    apart (`Stacked`: written part by part, `to_parts`)."""
+    apart (`Stacked`: written part by part, `to_parts`). Rows not joined yet (`hostmem.Rows`,
+    a served request's lent parts) are joined first, or with `lazy` left as they are."""
     if len(per_layer) < 2:
         return None
     layers = sorted(per_layer)
     ts = [per_layer[L] for L in layers]
+    if not all(isinstance(t, torch.Tensor) for t in ts):
+        if lazy:
+            p = pos[layers[0]]
+            ok = all(pos[L] is p and t.shape == ts[0].shape and t.dtype == ts[0].dtype for L, t in zip(layers, ts))
+            return (Stacked(ts), p) if ok else None
+        ts = [as_tensor(t) for t in ts]
     first, p = ts[0], pos[layers[0]]
     shape, dtype = first.shape, first.dtype
     for L, t in zip(layers, ts):
@@ -301,6 +308,15 @@ def _parsed(blob) -> tuple:
         return blob
     pts, meta = points_from_bytes(blob)
     return pts, meta, isinstance(blob, torch.Tensor)
+
+
+def _dense(part: tuple) -> tuple:
+    """`part` with its rows left as lent parts (`hostmem.Rows`, served) joined: `build`'s
+    general path reads rows, only `_build_fresh` hands them on as they are."""
+    pts = part[0]
+    if all(isinstance(rows, torch.Tensor) for _, rows in pts.values()):
+        return part
+    return {p: (pos, as_tensor(rows)) for p, (pos, rows) in pts.items()}, *part[1:]
 
 
 _PLANS: dict[int, tuple[list, PointTable, list]] = {}
@@ -451,6 +467,7 @@ def build(blobs: bytes | torch.Tensor | list | None, items: list[dict], points: 
                            [*prompt_token_ids, *output_token_ids])
         if res is not None:
             return res
+    parts = [_dense(p) for p in parts]
     pts, ranks, errors = _merge(parts)
     res = Results(request_id=request_id, prompt_len=P, index=index, model=model,
                   token_ids=[*prompt_token_ids, *output_token_ids],

@@ -1371,3 +1371,73 @@ def test_rows_handed_over_early_are_joined_across_dtypes_only_once_copied(monkey
     (_, pos, rows), = a.store.blocks()
     assert rows.dtype == torch.float32 and pos.tolist() == list(range(600))
     assert torch.equal(rows[0], want)
+
+
+def test_a_served_results_lent_rows_are_written_from_their_parts(tmp_path):
+    """A served request's every-token rows, lent by the worker as a prompt block and decode
+    runs (each run's rows strided: every point's row of a step together), stay those parts
+    (`Chunked.row`: `hostmem.Rows`) and are written to the result's file piece by piece,
+    strided rows through a buffer, never joined on the way (`byte_views`); the file,
+    `to_bytes` (joined), the unstacked layout and the inline encodings read back as the joined
+    rows; a prefix of them (`rows[:k]`) likewise; `build`'s general path joins them."""
+    import base64
+    import os
+
+    from vllm_hook.config import HookConfig
+    from vllm_hook.delivery import hostmem
+    from vllm_hook.delivery.hostmem import Chunked, Rows
+    from vllm_hook.delivery.store import StParts
+    from vllm_hook.results import Results, _dense
+    from vllm_hook.server import encode
+    from vllm_hook.server.store import ResultStore
+
+    g = torch.Generator().manual_seed(1)
+    points, width = 3, 8
+    prompt = torch.randn(points, 5, width, generator=g).bfloat16()
+    runs = [torch.randn(n, points, width, generator=g).bfloat16() for n in (4, 2)]   # [steps, points, width]
+    parts = [prompt, *(run.permute(1, 0, 2) for run in runs)]                        # [points, steps, width], strided
+    c = Chunked(parts)
+    want = torch.cat(parts, dim=1)
+    pos = torch.arange(11)
+    r = Results(request_id="a", prompt_len=5, token_ids=list(range(12)), model="m")
+    for k, layer in enumerate((2, 4, 6)):
+        r.activations.setdefault("resid_post", {})[layer] = c.row(k)
+        r.positions.setdefault("resid_post", {})[layer] = pos
+    assert isinstance(r.activations["resid_post"][4], Rows) and encode.result_nbytes(r) == want.numel() * 2
+    keep = hostmem.SCRATCH_KEEP
+    hostmem.SCRATCH_KEEP = 0                       # this thread keeps no buffer: a fresh one
+    try:
+        for stacked in (True, False):
+            sp = r.to_parts(stacked=stacked)
+            assert isinstance(sp, StParts) and any(not p.is_contiguous() for p, _ in sp.parts)
+            fd = os.open(tmp_path / f"r{stacked}", os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                sp.write(fd)
+            finally:
+                os.close(fd)
+            assert c._joined is None                   # written from the parts
+            for blob in ((tmp_path / f"r{stacked}").read_bytes(), sp.to_bytes()):
+                back = Results.from_bytes(blob)
+                for k, layer in enumerate((2, 4, 6)):
+                    assert torch.equal(back.activations["resid_post"][layer], want[k]), (stacked, layer)
+    finally:
+        hostmem.SCRATCH_KEEP = keep
+    # the API server's encodings: a file below the inline bound, inline on a thread or the loop
+    cfg = HookConfig()
+    store = ResultStore(cfg.max_retained_bytes, cfg.result_ttl_s, local_dir=str(tmp_path))
+    small = HookConfig(max_inline_result_bytes=100, local_results=True)
+    blobs = [open(encode.encode_one(r, 0, store, small, stacked=True, local=True)["local"], "rb").read(),
+             base64.b64decode(encode.encode_one(r, 0, store, cfg, stacked=True, threaded=True)["data"])]
+    assert c._joined is None
+    blobs.append(base64.b64decode(encode.encode_one(r, 0, store, cfg, stacked=True)["data"]))
+    for blob in blobs:
+        back = Results.from_bytes(blob)
+        assert all(torch.equal(back.activations["resid_post"][L], want[k]) for k, L in enumerate((2, 4, 6)))
+    # a prefix stays parts; anything else joins the whole block once
+    head = c.row(1)[:7]
+    assert isinstance(head, Rows) and torch.equal(hostmem.as_tensor(head), want[1, :7])
+    assert torch.equal(c.row(2)[torch.tensor([0, 9])], want[2, [0, 9]])
+    assert torch.equal(r.stacked("resid_post"), want)
+    pts = {0: (pos, c.row(0)), 1: (pos, want[1])}
+    dense = _dense((pts, {}, True))[0]
+    assert all(isinstance(rows, torch.Tensor) for _, rows in dense.values()) and torch.equal(dense[0][1], want[0])

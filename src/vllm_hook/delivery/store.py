@@ -26,7 +26,8 @@ except ImportError:                    # older: safetensors.torch.save
     TensorSpec = serialize = None
 
 from . import spill as spill_mod
-from .hostmem import CHUNK_BYTES, Chunked, as_tensor, copy_many, host_empty, write_new
+from .hostmem import CHUNK_BYTES, Chunked, Rows, as_tensor, byte_views, copy_many, host_empty, write_views
+from .hostmem import raw as _raw
 
 _DTYPES = {name: dtype for dtype, name in spill_mod.ST_DTYPES.items()}
 
@@ -231,7 +232,7 @@ class Stacked:
         return self.dtype.itemsize
 
     def tensor(self) -> torch.Tensor:
-        return torch.stack(self.parts)
+        return torch.stack([as_tensor(p) for p in self.parts])
 
 
 class StParts:
@@ -250,25 +251,38 @@ class StParts:
     def __init__(self, tensors: dict[str, Any], metadata: dict[str, str]):
         tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].dtype.itemsize))
         self.header, self.size = spill_mod.layout(tensors, metadata)
-        self.parts, at = [], len(self.header)        # (uint8 view, offset in the bytes)
+        # (a contiguous uint8 view, or rows of a lent part as they lie: strided; its offset)
+        self.parts, at = [], len(self.header)
         for t in tensors.values():
-            for part in t.parts if isinstance(t, Stacked) else (as_tensor(t),):
+            for part in _pieces(t):
                 n = part.numel() * part.element_size()
                 if n:
-                    self.parts.append((part.contiguous().view(-1).view(torch.uint8), at))
+                    self.parts.append((part.view(-1).view(torch.uint8) if part.is_contiguous() else part, at))
                 at += n
 
     def __len__(self) -> int:
         return self.size
 
     def write(self, fd: int) -> None:
-        """Into file `fd`, from its start (`write_new`: write calls)."""
-        write_new(fd, [(torch.frombuffer(bytearray(self.header), dtype=torch.uint8), 0), *self.parts])
+        """Into file `fd`, from its start: the header and every part (strided rows through
+        this thread's buffer, `byte_views`) in gathering write calls (`write_views`)."""
+        write_views(fd, [memoryview(self.header), *byte_views([t for t, _ in self.parts])])
 
     def to_bytes(self) -> bytes:
         """The bytes, joined (a result kept in memory after all: no file could be written).
         A bytes object, which the server sends without a copy on its event loop."""
-        return b"".join([self.header, *(memoryview(t.numpy()) for t, _ in self.parts)])
+        return b"".join([self.header, *(memoryview(t.numpy() if t.is_contiguous() else np.ascontiguousarray(_raw(t)))
+                                        for t, _ in self.parts)])
+
+
+def _pieces(t: Any) -> list[torch.Tensor]:
+    """The tensors `t`'s bytes are made of, in order: a `Stacked` tensor's parts, a `Rows`'
+    pieces (rows as they lie in their parts), or `t` itself."""
+    if isinstance(t, Stacked):
+        return [q for p in t.parts for q in _pieces(p)]
+    if isinstance(t, Rows):
+        return t.pieces()
+    return [as_tensor(t)]
 
 # safetensors dtype -> numpy dtype of the same bytes (bfloat16 read as uint16, viewed after)
 _NP = {k: np.dtype(v) for k, v in {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -594,7 +608,8 @@ def points_from_bytes(buf: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Ten
 
 
 def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor] | None = None,
-                lend_float32: bool = False) -> list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]]:
+                lend_float32: bool = False, join: bool = True
+                ) -> list[tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], dict]]:
     """Every request of a payload (`batch_to_wire`, or one `to_bytes`): (points, metadata).
 
     With `dtype` ("float32" or "model"), the rows packed across requests are converted (or
@@ -604,7 +619,11 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
     payload's tensors lent from a worker's arena, already viewed ("{j}/{name}" -> tensor).
     `lend_float32` (a model computing in bf16 or fp16): lent float32 rows, which a worker
     widened on the device (`Collector._wide_pools`), are used as they are, as the model's
-    dtype is with "model"; a float32 model's are copied, their arena range back at once."""
+    dtype is with "model"; a float32 model's are copied, their arena range back at once.
+    `join=False` (served): a request's rows lent as several parts (those not in the arena
+    sent by value: views of `buf`), in `dtype` already, stay those parts (each point's rows a `hostmem.Rows`), written to the
+    result's file from them (`StParts`) instead of joined here, on the API server's event
+    loop."""
     export = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
     owned = isinstance(buf, torch.Tensor)
     header, data = _header(export)
@@ -646,9 +665,12 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
         j, _, name = full.rpartition("/")
         if isinstance(t, list):
             # Rows of several chunks (a prompt block and decode runs), lent part by part:
-            # joined here, converted to `dtype` on the way, one copy per part.
+            # joined here, converted to `dtype` on the way, one copy per part; or, not to
+            # join, left as they are (served: the result's file written from them, `StParts`)
             t = Chunked([by_value[f"{full}#{k}"] if p is None else p for k, p in enumerate(t)])
-            t = _converted(t, dtype, t.pairs, copies)
+            keep = not join and j and (dtype == "model" or dtype == "float32" and t.dtype == torch.float32)
+            if not keep:
+                t = _converted(t, dtype, t.pairs, copies)
             if dtype is not None:
                 chunked_fresh.setdefault(int(j) if j else -1, set()).add(name)
         if not j:
@@ -712,7 +734,8 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
     owned_rows = {int(j) for j, _, _ in (full.rpartition("/") for full in lent) if j}
     groups_of = {name: _group_points(name) for name in {n for ts in tensors for n in ts} | set(packed)}
     for j, (m, ts, got) in enumerate(zip(metas, tensors, pieces)):
-        if j in owned_rows and all(t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+        if j in owned_rows and all(not isinstance(t, torch.Tensor)      # lent parts (`join`)
+                                   or t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
                                    for name, t in ts.items() if groups_of[name] is not None):
             m["_owned"] = True      # its rows are lent pieces: writable, the user's
         fresh: set[int] = set(fresh_of[j]) if fresh_of[j] is not None else set()
@@ -752,7 +775,7 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
                     t = _converted(t, dtype, lambda out, t=t: [(out, t)], copies)
                     fresh.update(group)
                 for g, point in enumerate(group):
-                    pts[point] = (pos, t[g])
+                    pts[point] = (pos, t[g] if isinstance(t, torch.Tensor) else t.row(g))
             elif not name.endswith(".pos"):
                 other[name] = t.clone()          # hook results: the user's to keep and change
         if other:

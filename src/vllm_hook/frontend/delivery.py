@@ -92,7 +92,7 @@ class Opened:
 
     def __init__(self):
         self._bufs: dict[int, tuple[Any, Any]] = {}
-        self._parsed: dict[tuple[int, str], list] = {}
+        self._parsed: dict[tuple[int, str, bool], list] = {}
         self._unread: dict[int, str] = {}
         weakref.finalize(self, _hand_back_all, self._unread)
 
@@ -105,20 +105,20 @@ class Opened:
                     self._unread.setdefault(id(p), p["path"])
         return self
 
-    def part(self, entry: dict, dtype: str = "float32", lend_float32: bool = False) -> tuple:
+    def part(self, entry: dict, dtype: str = "float32", lend_float32: bool = False, join: bool = True) -> tuple:
         """(points, metadata, owned) of one request's entry, its rows packed with others'
         already in `dtype` (`parse_batch`: one conversion per payload and dtype;
-        `lend_float32`: the model's dtype is narrower, see there)."""
+        `lend_float32`: the model's dtype is narrower, see there; `join`: see there)."""
         payload = entry["payload"]
         got = self._bufs.get(id(payload))
         if got is None:
             self._unread.pop(id(payload), None)
             got = self._bufs[id(payload)] = (payload, open_entry(payload))
         buf = got[1]
-        parts = self._parsed.get((id(payload), dtype))
+        parts = self._parsed.get((id(payload), dtype, join))
         if parts is None:
-            parts = self._parsed[(id(payload), dtype)] = parse_batch(buf, dtype, payload.get("views"),
-                                                                     lend_float32)
+            parts = self._parsed[(id(payload), dtype, join)] = parse_batch(buf, dtype, payload.get("views"),
+                                                                           lend_float32, join)
         points, meta = parts[entry["j"]]
         return points, meta, isinstance(buf, torch.Tensor) or bool(meta.get("_owned"))
 
@@ -208,7 +208,8 @@ def _built(st: FrontendState, output: Any, entries: list[dict], res,
     for e in entries:
         i = child_index(e["req_id"], n)
         try:
-            by_index.setdefault(i, []).append(opened.part(e, dtype, narrow))
+            # served: a request's lent rows joined where its result is written (`parse_batch`)
+            by_index.setdefault(i, []).append(opened.part(e, dtype, narrow, join=not wire))
         except OSError as err:          # the spilled file vanished (e.g. deleted by hand)
             lost.setdefault(i, []).append(f"the captured results could not be read: {err}")
     t1 = time.perf_counter()
@@ -225,6 +226,8 @@ def _built(st: FrontendState, output: Any, entries: list[dict], res,
                   dtype=dtype, hooks=res.hooks)
         if widen:
             r.widen_to = "float32"
+        if wire and any(not isinstance(t, torch.Tensor) for acts in r.activations.values() for t in acts.values()):
+            st.timing["results_from_parts"] += 1      # rows left as the worker's parts (`parse_batch`)
         if res.save_dir:
             suffix = f"_{idx}" if n > 1 else ""
             r.save(Path(res.save_dir) / f"{output.request_id}{suffix}.safetensors")

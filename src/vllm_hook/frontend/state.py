@@ -47,7 +47,7 @@ class FrontendState:
     timing: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("admitted", "admit_s", "fetches", "fetch_rpc_s", "rpc_to_worker_s", "rpc_back_s", "read_s",
          "build_s", "read_build_page_faults", "encode_s", "delivered_without_fetch", "early_fetches",
-         "fetched_while_running", "read_ahead_s", "delivered_built_ahead"), 0.0))
+         "fetched_while_running", "read_ahead_s", "delivered_built_ahead", "results_from_parts"), 0.0))
     # Each rank's result arena (its token; None: none), as the last fetch's replies named
     # them: where a steering-only request's clean mark is read (`delivery.arena`).
     arena_tokens: tuple = ()
