@@ -154,7 +154,9 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg, files: str) -> d
         # The response shows each choice's token ids (`return_token_ids`), and the client reads
         # "tokens" entries, as the plugin's clients do.
         shown = {0: (list(range(P)), gen)}
-        entries = [encode.encode_one(r, 0, store, cfg, shown) for r in built]
+        # (off the event loop, as the server encodes a response of ON_LOOP_BELOW bytes or more)
+        entries = [encode.encode_one(r, 0, store, cfg, shown, threaded=encode.result_nbytes(r) >= encode.ON_LOOP_BELOW)
+                   for r in built]
         t_enc = time.perf_counter() - t
         t = time.perf_counter()          # the client's: inline base64 decoded, or by handle
         for e in entries:

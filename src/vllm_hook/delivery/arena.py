@@ -211,8 +211,10 @@ class Arena:
 
         A `Chunked` (a request's prompt block and decode runs) is lent under one flag, viewed
         through one base spanning its parts ({"parts": [[offset in the span, shape, strides]
-        or None]}: the frontend copies them out at once, so one release for all costs
-        nothing, and viewing each part on its own cost 16 µs a part); a part not in the
+        or None]}: offline the frontend copies them out at once, so one release for all
+        costs nothing, and viewing each part on its own cost 16 µs a part; served, its API
+        server writes the result from them and releases them when the response's results
+        are dropped, after the whole HTTP request is encoded); a part not in the
         arena (a decode step routed on its own, in host memory) is None, sent by value."""
         parts = t.parts if isinstance(t, Chunked) else [t]
         if not self._slots or any(p.device.type != "cpu" for p in parts):

@@ -290,7 +290,11 @@ class Chunked:
         """`tensor()`, made once: every `Rows` of it that needs a real tensor views this one
         block (a site's layers back to back, as a parse's join lays them out)."""
         if self._joined is None:
-            self._joined = self.tensor()
+            # within `one_thread` (the frontend's build), as the parse's join: large copies
+            # get torch's threads back (`copy_many`), where `torch.cat` would run on one
+            out = host_empty(tuple(self.shape), self.dtype)
+            copy_many(self.pairs(out), parallel_from=CHUNK_BYTES)
+            self._joined = out
         return self._joined
 
 
@@ -543,6 +547,8 @@ def write_views(fd: int, views: list[memoryview], offset: int = 0) -> None:
     i = 0
     while i < len(views):
         n = os.pwritev(fd, views[i:i + _IOV_MAX], offset)
+        if n <= 0:
+            raise OSError(f"pwritev wrote nothing at byte {offset}")
         offset += n
         while i < len(views) and n >= len(views[i]):
             n -= len(views[i])
@@ -551,7 +557,7 @@ def write_views(fd: int, views: list[memoryview], offset: int = 0) -> None:
             views[i] = views[i][n:]
 
 
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024)
+_IOV_MAX = max(1, min(1024, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024))
 
 
 def map_file(fd: int, size: int) -> torch.Tensor:

@@ -734,8 +734,8 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
     owned_rows = {int(j) for j, _, _ in (full.rpartition("/") for full in lent) if j}
     groups_of = {name: _group_points(name) for name in {n for ts in tensors for n in ts} | set(packed)}
     for j, (m, ts, got) in enumerate(zip(metas, tensors, pieces)):
-        if j in owned_rows and all(not isinstance(t, torch.Tensor)      # lent parts (`join`)
-                                   or t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+        if j in owned_rows and all(all(p.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+                                       for p in (t.parts if isinstance(t, Chunked) else (t,)))   # (`join`)
                                    for name, t in ts.items() if groups_of[name] is not None):
             m["_owned"] = True      # its rows are lent pieces: writable, the user's
         fresh: set[int] = set(fresh_of[j]) if fresh_of[j] is not None else set()
