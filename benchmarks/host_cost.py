@@ -131,7 +131,7 @@ def step(rt: HookRuntime, ids: list[str], rows_each: int, computed: list[int]) -
     return time.perf_counter() - t
 
 
-def served_cost(opened, fetched, keys, items, points, gen, cfg, files: str) -> dict:
+def served_cost(opened, fetched, keys, items, points, gen, cfg, files: str, wires=("wire", "wire_joined")) -> dict:
     """µs per request of a served response's results: the server's parse and build, its
     encoding and the client's decoding, for results built in float32 and in the model's dtype
     (widened by the client); in the model's dtype also as served now (`wire`: rows the worker
@@ -141,8 +141,8 @@ def served_cost(opened, fetched, keys, items, points, gen, cfg, files: str) -> d
     out, store = {}, ResultStore(1 << 40, 600.0)
     kept = ResultStore(1 << 40, 600.0, local_dir=files)
     to_files = HookConfig(max_inline_result_bytes=cfg.max_inline_result_bytes, local_results=True)
-    for label, dtype, widen, join in (("float32", "float32", None, True), ("wire", "model", "float32", False),
-                                      ("wire_joined", "model", "float32", True)):
+    ways = {"wire": ("model", "float32", False), "wire_joined": ("model", "float32", True)}
+    for label, dtype, widen, join in (("float32", "float32", None, True), *((w, *ways[w]) for w in wires)):
         built, t = [], time.perf_counter()
         for k in keys:
             r = build([opened.part(e, dtype, join=join) for e in fetched.get(k, [])], items, points, request_id="r",
@@ -260,7 +260,7 @@ def one_round(ip, rt: HookRuntime, cfg: HookConfig, spill: dict, name: str, n: i
         if bad:
             raise SystemExit(f"{name}: requests {bad[:4]} got errors: {getattr(outputs[0], ATTR).errors}")
         served = served_cost(opened, fetched, keys, items if stored else [], st.points, gen, cfg,
-                             spill["dir"]) if args.served else {}
+                             spill["dir"], args.served_ways) if args.served else {}
     if args.served:
         served["client_spec_us"] = client_spec_us(spec, n)
     return {"decode_steps": args.decode_steps, "frontend_admit_us": 1e6 * cold, "frontend_admit_cached_us": 1e6 * warm,
@@ -279,6 +279,9 @@ def main() -> None:
     ap.add_argument("--arena-bytes", type=int, help="the workers' result arena (default: the plugin's; 0: none)")
     ap.add_argument("--served", action="store_true",
                     help="also time the served encoding and the client's decoding (float32 and model-dtype builds)")
+    ap.add_argument("--served-ways", nargs="+", default=["wire", "wire_joined"], choices=["wire", "wire_joined"],
+                    help="--served: the model-dtype ways timed, in this order (one a process: neither "
+                         "warms the other's host memory)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="batches per spec through the same worker, as an engine runs them; the median is reported")
     ap.add_argument("--out")

@@ -27,7 +27,6 @@ except ImportError:                    # older: safetensors.torch.save
 
 from . import spill as spill_mod
 from .hostmem import CHUNK_BYTES, Chunked, Rows, as_tensor, byte_views, copy_many, host_empty, write_views
-from .hostmem import raw as _raw
 
 _DTYPES = {name: dtype for dtype, name in spill_mod.ST_DTYPES.items()}
 
@@ -271,8 +270,9 @@ class StParts:
     def to_bytes(self) -> bytes:
         """The bytes, joined (a result kept in memory after all: no file could be written).
         A bytes object, which the server sends without a copy on its event loop."""
-        return b"".join([self.header, *(memoryview(t.numpy() if t.is_contiguous() else np.ascontiguousarray(_raw(t)))
-                                        for t, _ in self.parts)])
+        # (strided rows through this thread's buffer, `byte_views`: joined at once, so reusing
+        # it is safe; a fresh contiguous copy of each was the allocator's new pages)
+        return b"".join([self.header, *byte_views([t for t, _ in self.parts])])
 
 
 def _pieces(t: Any) -> list[torch.Tensor]:
