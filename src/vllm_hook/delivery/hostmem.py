@@ -248,7 +248,25 @@ def _populate(buf: mmap.mmap) -> None:
         return
 
 
-class Chunked:
+class Lazy:
+    """What a tensor not yet made of its parts answers like one: its shape's size, its
+    element size, its dimensions (`shape` and `dtype` set by the subclass)."""
+
+    __slots__ = ()
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+class Chunked(Lazy):
     """A tensor [points, rows, ...] kept as the parts it arrived in along dim 1 (a request's
     decode runs, each a strided view of its run's buffer): a payload write copies each part
     once, straight to its place, instead of through a concatenated copy first. `tensor()`
@@ -261,15 +279,6 @@ class Chunked:
         self.shape = torch.Size((parts[0].shape[0], sum(p.shape[1] for p in parts), *parts[0].shape[2:]))
         self.dtype = parts[0].dtype
         self._joined: torch.Tensor | None = None
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def element_size(self) -> int:
-        return self.dtype.itemsize
-
-    def dim(self) -> int:
-        return len(self.shape)
 
     def pairs(self, dst: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(destination, part) copies that fill `dst` (of this shape and dtype)."""
@@ -298,7 +307,7 @@ class Chunked:
         return self._joined
 
 
-class Rows:
+class Rows(Lazy):
     """The first `stop` rows of point `g` of a `Chunked` [points, rows, ...]: a served result's
     every-token rows (a prompt block and decode runs the worker lent) left as those parts,
     which `StParts` writes to the result's file piece by piece, where joining them first was a
@@ -311,15 +320,6 @@ class Rows:
         self.of, self.g, self.stop = of, g, stop
         self.shape = torch.Size((stop, *of.shape[2:]))
         self.dtype = of.dtype
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def element_size(self) -> int:
-        return self.dtype.itemsize
-
-    def dim(self) -> int:
-        return len(self.shape)
 
     def __getitem__(self, key: Any) -> "Rows | torch.Tensor":
         if isinstance(key, slice) and key.start in (None, 0) and key.step in (None, 1):

@@ -26,7 +26,7 @@ except ImportError:                    # older: safetensors.torch.save
     TensorSpec = serialize = None
 
 from . import spill as spill_mod
-from .hostmem import CHUNK_BYTES, Chunked, Rows, as_tensor, byte_views, copy_many, host_empty, write_views
+from .hostmem import CHUNK_BYTES, Chunked, Lazy, Rows, as_tensor, byte_views, copy_many, host_empty, write_views
 
 _DTYPES = {name: dtype for dtype, name in spill_mod.ST_DTYPES.items()}
 
@@ -209,7 +209,7 @@ def st_bytes(tensors: dict[str, Any], metadata: dict[str, str] | None = None) ->
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-class Stacked:
+class Stacked(Lazy):
     """Tensors of one shape and dtype as one [len(parts), ...] tensor not yet copied together
     (a served result's layers of a site where they are apart: rows packed across a fetch's
     requests, `PACK_BELOW`): `StParts` writes each part to its place in the file."""
@@ -223,12 +223,6 @@ class Stacked:
         self.parts = parts
         self.shape = torch.Size((len(parts), *first.shape))
         self.dtype = first.dtype
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def element_size(self) -> int:
-        return self.dtype.itemsize
 
     def tensor(self) -> torch.Tensor:
         return torch.stack([as_tensor(p) for p in self.parts])
