@@ -289,7 +289,11 @@ class Chunked(Lazy):
         return out
 
     def tensor(self) -> torch.Tensor:
-        return torch.cat(self.parts, dim=1, out=host_empty(tuple(self.shape), self.dtype))
+        # `copy_many`, as the parse's join: large copies over threads, also within
+        # `one_thread` (the frontend's build), where `torch.cat` ran on one
+        out = host_empty(tuple(self.shape), self.dtype)
+        copy_many(self.pairs(out), parallel_from=CHUNK_BYTES)
+        return out
 
     def row(self, g: int) -> "Rows":
         """Point `g`'s rows, not joined."""
@@ -299,11 +303,7 @@ class Chunked(Lazy):
         """`tensor()`, made once: every `Rows` of it that needs a real tensor views this one
         block (a site's layers back to back, as a parse's join lays them out)."""
         if self._joined is None:
-            # within `one_thread` (the frontend's build), as the parse's join: large copies
-            # get torch's threads back (`copy_many`), where `torch.cat` would run on one
-            out = host_empty(tuple(self.shape), self.dtype)
-            copy_many(self.pairs(out), parallel_from=CHUNK_BYTES)
-            self._joined = out
+            self._joined = self.tensor()
         return self._joined
 
 

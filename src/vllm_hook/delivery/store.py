@@ -615,9 +615,9 @@ def parse_batch(buf: Any, dtype: str | None = None, lent: dict[str, torch.Tensor
     widened on the device (`Collector._wide_pools`), are used as they are, as the model's
     dtype is with "model"; a float32 model's are copied, their arena range back at once.
     `join=False` (served): a request's rows lent as several parts (those not in the arena
-    sent by value: views of `buf`), in `dtype` already, stay those parts (each point's rows a `hostmem.Rows`), written to the
-    result's file from them (`StParts`) instead of joined here, on the API server's event
-    loop."""
+    sent by value: views of `buf`), in `dtype` already, stay those parts (each point's rows
+    a `hostmem.Rows`), written to the result's file from them (`StParts`) instead of joined
+    here, on the API server's event loop."""
     export = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf)
     owned = isinstance(buf, torch.Tensor)
     header, data = _header(export)
