@@ -213,8 +213,9 @@ class Arena:
         through one base spanning its parts ({"parts": [[offset in the span, shape, strides]
         or None]}: offline the frontend copies them out at once, so one release for all
         costs nothing, and viewing each part on its own cost 16 µs a part; served, its API
-        server writes the result from them and releases them when the response's results
-        are dropped, after the whole HTTP request is encoded); a part not in the
+        server writes the result from them: released when their last view goes, the
+        response's results and the fetch reply's views, which the requests fetched together
+        share); a part not in the
         arena (a decode step routed on its own, in host memory) is None, sent by value."""
         parts = t.parts if isinstance(t, Chunked) else [t]
         if not self._slots or any(p.device.type != "cpu" for p in parts):

@@ -195,11 +195,7 @@ def _widens(st: FrontendState, res, wire: bool) -> bool:
 
 
 def _built(st: FrontendState, output: Any, entries: list[dict], res,
-           opened: Opened | None, wire: bool, join: bool | None = None) -> Results | list[Results]:
-    """`join`: a request's rows lent in several parts joined in the parse (offline; served,
-    a result built ahead and held); default: served results leave them as the parts, which
-    their encoding writes from (`parse_batch`)."""
-    join = not wire if join is None else join
+           opened: Opened | None, wire: bool) -> Results | list[Results]:
     widen = _widens(st, res, wire)
     dtype = "model" if widen else res.dtype
     outs = list(getattr(output, "outputs", []) or [])
@@ -212,7 +208,9 @@ def _built(st: FrontendState, output: Any, entries: list[dict], res,
     for e in entries:
         i = child_index(e["req_id"], n)
         try:
-            by_index.setdefault(i, []).append(opened.part(e, dtype, narrow, join=join))
+            # served: a request's rows lent in several parts left as those, which its
+            # encoding writes from (`parse_batch`)
+            by_index.setdefault(i, []).append(opened.part(e, dtype, narrow, join=not wire))
         except OSError as err:          # the spilled file vanished (e.g. deleted by hand)
             lost.setdefault(i, []).append(f"the captured results could not be read: {err}")
     t1 = time.perf_counter()
@@ -520,9 +518,7 @@ class FetchBatcher:
                     # prompt tokens: placeholders of the prompt's length (`build` reads only
                     # that), replaced at the finish
                     shell = _Shell(rid, [0] * res.prompt_len)
-                    # joined: held until the request finishes, they would hold the worker's
-                    # arena pieces as long
-                    r = _built(st, shell, merged.get(key, []), res, b.opened, True, join=True)
+                    r = _built(st, shell, merged.get(key, []), res, b.opened, True)
                     # inline results only, and small (on the event loop: larger ones are
                     # encoded at the finish, off the loop)
                     if result_nbytes(r) <= min(limit, ON_LOOP_BELOW):
